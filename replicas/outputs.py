@@ -1,0 +1,39 @@
+"""What the engine hands back per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int                 # 1 = most likely
+    decoded_token: str = ""
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""                                  # full text so far
+    token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""                            # text new since the previous output of this stream
+    delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[list[dict[int, Logprob]]] = None   # per generated token: id -> Logprob (sampled + top-k)
+    finish_reason: Optional[str] = None             # "stop" | "length" | "abort"
+    stop_reason: Optional[object] = None            # matched stop string or stop token id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
