@@ -1,0 +1,196 @@
+"""Ref-counted KV blocks with prefix caching by chained hashes of full blocks.
+
+Block ids [0, num_base) are the base region, [num_base, num_base + num_reserve) the elastic
+reserve. A reserve block is handed out only while the reserve is lent (`reserve_lent`), which the
+elastic KV manager sets after mapping the memory and clears before unmapping it.
+
+Freed blocks keep their hash and tokens and sit in an LRU free list; they are evicted lazily when
+allocated for something else. A hash hit is verified against the stored tokens.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Optional
+
+from replicas.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: Optional[int] = None
+        self.token_ids: Optional[tuple[int, ...]] = None
+
+
+def chain_hash(parent: Optional[int], token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_base_blocks: int, num_reserve_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_base = num_base_blocks
+        self.num_reserve = num_reserve_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_base_blocks + num_reserve_blocks)]
+        self.free_base: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_base_blocks))
+        self.free_reserve: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(num_base_blocks, num_base_blocks + num_reserve_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.reserve_lent = False
+        self.queries = 0          # prompt tokens looked up in the prefix cache
+        self.hits = 0             # of which served from cache
+
+    # ---- capacity ---------------------------------------------------------------------------
+    def is_reserve(self, block_id: int) -> bool:
+        return block_id >= self.num_base
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_base + (self.num_reserve if self.reserve_lent else 0)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_base) + (len(self.free_reserve) if self.reserve_lent else 0)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+    def reserve_blocks_in_use(self) -> list[int]:
+        return [b.block_id for b in self.blocks[self.num_base:] if b.ref_count > 0]
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    # ---- allocation -------------------------------------------------------------------------
+    def _take_free(self) -> Block:
+        # Base first: the reserve stays empty as long as possible, so reclaiming is cheap.
+        if self.free_base:
+            block_id, _ = self.free_base.popitem(last=False)
+        else:
+            assert self.reserve_lent and self.free_reserve, "no usable free block (caller must check)"
+            block_id, _ = self.free_reserve.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash is not None:               # lazy eviction of a cached, unreferenced block
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, None
+        block.ref_count = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free().block_id)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """On (re)admission: take cached full blocks for the longest matching prefix. The last token
+        is never served from cache (its logits are needed). Returns the number of cached tokens."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        num_full = (seq.num_tokens - 1) // bs
+        self.queries += seq.num_tokens
+        parent: Optional[int] = None
+        for i in range(num_full):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens:        # a hash collision: treat as a miss
+                break
+            if block.ref_count == 0:
+                (self.free_reserve if self.is_reserve(block_id) else self.free_base).pop(block_id)
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            parent = h
+        cached = len(seq.block_table) * bs
+        seq.num_computed_tokens = cached
+        self.hits += cached
+        return cached
+
+    def commit_full_blocks(self, seq: Sequence, num_committed_before: int) -> None:
+        """Register the hashes of blocks that became full (their tokens' KV is now written)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        first, last = num_committed_before // bs, seq.num_computed_tokens // bs
+        parent = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
+        for i in range(first, last):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                block.hash, block.token_ids = chain_hash(parent, tokens), tokens
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+            parent = block.hash
+
+    def free(self, seq: Sequence) -> None:
+        # Tail first, so that under LRU the shared prefix outlives the sequence's own suffix.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                if block.hash is None or not self.enable_prefix_caching:
+                    block.hash, block.token_ids = None, None
+                (self.free_reserve if self.is_reserve(block_id) else self.free_base)[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    # ---- elastic reserve protocol -----------------------------------------------------------
+    def lend_reserve(self) -> None:
+        assert not self.reserve_lent
+        assert all(b.ref_count == 0 and b.hash is None for b in self.blocks[self.num_base:])
+        self.reserve_lent = True
+
+    def evict_free_reserve(self) -> int:
+        """Drop prefix-cache entries held by free reserve blocks. Returns how many were evicted."""
+        evicted = 0
+        for block_id in self.free_reserve:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = None, None
+                evicted += 1
+        return evicted
+
+    def plan_migration(self) -> dict[int, int]:
+        """Map each live reserve block to a free base block (as many as base has room for).
+        The caller copies the KV on the device, then `apply_migration`."""
+        live = self.reserve_blocks_in_use()
+        plan: dict[int, int] = {}
+        for src in live[: len(self.free_base)]:
+            dst = self._take_free()
+            assert not self.is_reserve(dst.block_id)
+            plan[src] = dst.block_id
+        return plan
+
+    def apply_migration(self, plan: dict[int, int], seqs: Iterable[Sequence]) -> None:
+        for seq in seqs:
+            seq.block_table = [plan.get(b, b) for b in seq.block_table]
+        for src, dst in plan.items():
+            s, d = self.blocks[src], self.blocks[dst]
+            d.ref_count, d.hash, d.token_ids = s.ref_count, s.hash, s.token_ids
+            if s.hash is not None and self.hash_to_block.get(s.hash) == src:
+                self.hash_to_block[s.hash] = dst
+            s.ref_count, s.hash, s.token_ids = 0, None, None
+            self.free_reserve[src] = None
+
+    def reclaim_reserve(self) -> None:
+        assert self.reserve_lent
+        assert not self.reserve_blocks_in_use(), "live blocks left in the reserve at reclaim"
+        self.evict_free_reserve()
+        self.reserve_lent = False

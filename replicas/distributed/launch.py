@@ -1,0 +1,45 @@
+"""Starting TP ranks 1..N-1. Rank 0 is the engine's own process.
+
+`ProcessLauncher` spawns local processes (offline `LLM`, tests); the Serve app passes a launcher
+that starts Ray actors in the replica's placement group (cluster/rank_actor.py).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Protocol
+
+from replicas.config import EngineConfig
+
+
+class WorkerLauncher(Protocol):
+    def launch(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: str,
+               device_index: int | None = None) -> None:
+    """A rank's whole life: load the shard, size and allocate the KV cache with the others, serve steps."""
+    from replicas.model_runner import ModelRunner
+
+    runner = ModelRunner(config, rank, world_size, init_method, device_index)
+    runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
+    runner.serve_forever()
+
+
+class ProcessLauncher:
+    def __init__(self):
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = []
+
+    def launch(self, config, rank, world_size, init_method):
+        p = self._ctx.Process(target=run_worker, args=(config, rank, world_size, init_method), daemon=True,
+                              name=f"tidal-rank{rank}")
+        p.start()
+        self._procs.append(p)
+
+    def shutdown(self):
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        self._procs.clear()

@@ -1,0 +1,238 @@
+"""The engine loop: schedule a step, run it on every rank, sample, update sequences, detokenize.
+
+engine -> scheduler -> block manager -> model runner -> model -> sampler: five hops, one step.
+"""
+from __future__ import annotations
+
+import random
+import socket
+import time
+from typing import Optional, Union
+
+from memory.block_manager import BlockManager
+from replicas.config import EngineConfig
+from replicas.distributed.launch import ProcessLauncher, WorkerLauncher
+from replicas.model_runner import ModelRunner
+from replicas.outputs import RequestOutput
+from replicas.request import Request, RequestError
+from replicas.sampler import Sampler, SamplingBatch
+from replicas.sampling_params import SamplingParams
+from replicas.scheduler import Scheduler
+from replicas.sequence import Sequence
+from replicas.stats import EngineStats, RequestTimings
+from replicas.step_input import StepInput
+
+Prompt = Union[str, list[int]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, worker_launcher: Optional[WorkerLauncher] = None):
+        from replicas.loaders import load_checkpoint
+        from replicas.detokenizer import IncrementalDetokenizer
+
+        self.config = config
+        self._detokenizer_cls = IncrementalDetokenizer
+        checkpoint = load_checkpoint(config.model)
+        self.tokenizer = checkpoint.tokenizer
+        self.model_config = checkpoint.model_config
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
+        gen_eos = checkpoint.generation_config.get("eos_token_id")
+        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        self.eos_token_ids = tuple(sorted(eos))
+
+        tp = config.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}" if tp > 1 else None
+        self.launcher = worker_launcher or (ProcessLauncher() if tp > 1 else None)
+        for rank in range(1, tp):
+            self.launcher.launch(config, rank, tp, init_method)
+        self.runner = ModelRunner(config, 0, tp, init_method, checkpoint=checkpoint)
+        num_blocks = self.runner.num_kv_blocks_for_budget()
+        self.runner.allocate_kv_cache(num_blocks)
+        reserve = min(config.reserve_blocks, num_blocks - 1)
+        self.block_manager = BlockManager(num_blocks - reserve, reserve, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.max_model_len)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats(kv_blocks_total=num_blocks - reserve)
+        self.finished_timings: list[RequestTimings] = []
+        self._rng = random.Random(config.seed)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    arrival_time: Optional[float] = None) -> None:
+        if request_id in self.requests:
+            raise RequestError("request_id", f"request id {request_id!r} is already running")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("prompt", "the prompt is empty", "empty_prompt")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in ids):
+            raise RequestError("prompt", "prompt token ids must be integers in [0, vocab_size)")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise RequestError("prompt", f"the prompt has {len(ids)} tokens; this model's maximum context length "
+                               f"is {self.max_model_len} tokens", "context_length_exceeded")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens "
+                               f"exceeds the maximum context length of {self.max_model_len}",
+                               "context_length_exceeded")
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = []
+        for i in range(params.n):
+            seed = (params.seed * 1_000_003 + i) & 0x7FFFFFFFFFFF if params.seed is not None \
+                else self._rng.getrandbits(47)
+            seqs.append(Sequence(request_id, i, ids, params, seed, now))
+        req = Request(request_id, text, ids, params, seqs,
+                      [self._detokenizer_cls(self.tokenizer, ids, params) for _ in seqs])
+        self.requests[request_id] = req
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return req.make_output(self.tokenizer)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.stats.preemptions += len(batch.preempted)
+        if batch.is_empty:
+            return []
+        step = StepInput.from_batch(batch, self.config.block_size)
+        logits = self.runner.execute(step)
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        tokens, out = [], None
+        if sampling:
+            seqs = [batch.seqs[i] for i in sampling]
+            sb = SamplingBatch.build(
+                [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
+                [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
+                self.eos_token_ids, self.model_config.vocab_size, logits.device)
+            out = self.sampler(logits, sb)
+            tokens = out.token_ids.tolist()
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            self.block_manager.commit_full_blocks(seq, before)
+        for row, i in enumerate(sampling):
+            seq = batch.seqs[i]
+            self._append_token(seq, tokens[row], out, row, now)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        self.stats.num_steps += 1
+        self.stats.iteration_tokens_total += batch.num_tokens
+        outputs = []
+        for rid, req in touched.items():
+            outputs.append(req.make_output(self.tokenizer))
+            if req.finished:
+                self._retire(req)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, out, row: int, now: float) -> None:
+        seq.token_ids.append(token)
+        self.stats.generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if seq.index == 0:
+                self.stats.prompt_tokens += seq.num_prompt_tokens
+        else:
+            seq.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        p = seq.params
+        if p.logprobs is not None:
+            lp = float(out.logprobs[row])
+            seq.cumulative_logprob += lp
+            entry = {token: (lp, 0)}
+            if out.top_ids is not None and p.logprobs > 0:
+                for rank, (tid, v) in enumerate(zip(out.top_ids[row, :p.logprobs].tolist(),
+                                                    out.top_logprobs[row, :p.logprobs].tolist()), start=1):
+                    if tid == token:
+                        entry[token] = (lp, rank)
+                    else:
+                        entry.setdefault(tid, (v, rank))
+            seq.logprobs.append(entry)
+        req = self.requests[seq.request_id]
+        idx = seq.index
+        detok = req.detokenizers[idx]
+        stop_reason, reason = None, None
+        is_eos = token in self.eos_token_ids and not p.ignore_eos
+        is_stop_id = token in p.stop_token_ids
+        if (is_eos or is_stop_id) and seq.num_output_tokens > p.min_tokens - 1:
+            reason, stop_reason = "stop", (token if is_stop_id and not is_eos else None)
+            if p.include_stop_str_in_output and is_stop_id:
+                req.texts[idx] += detok.update([token])[0]
+        else:
+            delta, matched = detok.update([token])
+            req.texts[idx] += delta
+            if matched is not None:
+                reason, stop_reason = "stop", matched
+        if reason is None and ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if stop_reason is None or not isinstance(stop_reason, str):
+                req.texts[idx] += detok.flush()
+            self.scheduler.finish(seq, reason, stop_reason)
+
+    def _retire(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        self.stats.requests_finished += 1
+        for seq in req.seqs:
+            self.finished_timings.append(RequestTimings(
+                request_id=req.request_id, arrival_time=seq.arrival_time,
+                scheduled_time=seq.first_scheduled_time or seq.arrival_time,
+                first_token_time=seq.first_token_time or seq.arrival_time,
+                finish_time=seq.last_token_time or time.monotonic(),
+                num_prompt_tokens=seq.num_prompt_tokens, num_generation_tokens=seq.num_output_tokens,
+                finish_reason=seq.finish_reason or "abort", inter_token_latencies=seq.inter_token_latencies))
+        del self.finished_timings[:-10000]
+
+    # ---- knobs and stats --------------------------------------------------------------------
+    def reconfigure(self, max_num_batched_tokens: Optional[int] = None, elastic: Optional[str] = None,
+                    speculation: Optional[bool] = None) -> dict:
+        """Runtime knobs, applied between steps. Returns the settings now in force."""
+        if max_num_batched_tokens is not None:
+            self.scheduler.set_budget(int(max_num_batched_tokens))
+        if elastic is not None and elastic != self.stats.elastic_mode:
+            raise ValueError(f"elastic mode {elastic!r} is not available on this engine")
+        if speculation:
+            raise ValueError("speculative decoding is not available on this engine")
+        return {"max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+                "elastic": self.stats.elastic_mode, "speculation": False}
+
+    def get_stats(self) -> EngineStats:
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_blocks_total = self.block_manager.num_usable_blocks
+        s.kv_blocks_used = self.block_manager.num_used_blocks
+        s.max_num_batched_tokens = self.scheduler.max_num_batched_tokens
+        s.prefix_cache_queries = self.block_manager.queries
+        s.prefix_cache_hits = self.block_manager.hits
+        return s
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+        if self.launcher is not None:
+            self.launcher.shutdown()

@@ -1,0 +1,101 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader` that copies its shard.
+
+Column parallel splits the output dimension across ranks (no communication); row parallel splits
+the input dimension and all-reduces the partial outputs. Fused qkv and gate_up take their parts
+by shard id so HF checkpoints load without a rewrite.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replicas.distributed.parallel_state import get_tp_group, tp_rank, tp_size
+
+
+def _divide(a: int, b: int) -> int:
+    if a % b:
+        raise ValueError(f"{a} is not divisible by the tensor-parallel size {b}")
+    return a // b
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W split by output rows; rank r holds rows [r*n/tp, (r+1)*n/tp)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, _divide(out_features, tp_size()), bias)
+
+    def weight_loader(self, param, loaded, *args):
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, tp_rank() * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one matmul (gate_up); shard id = part index."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id: int):
+        tp = tp_size()
+        offset = sum(self.out_sizes[:shard_id]) // tp
+        size = self.out_sizes[shard_id] // tp
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; each rank holds its query heads and its key/value heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp)
+        self.num_kv_heads = _divide(num_kv_heads, tp)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param, loaded, shard_id: str):
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """y = sum_r x_r W_r^T: input features split across ranks, partial sums all-reduced.
+
+    The bias is added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(_divide(in_features, tp_size()), out_features, bias)
+
+    def weight_loader(self, param, loaded, *args):
+        if param.dim() == 1:
+            param.data.copy_(loaded)
+            return
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, tp_rank() * n, n))
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if tp_size() > 1:
+            y = get_tp_group().all_reduce(y)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,54 @@
+"""Offline API: `LLM().generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from replicas.config import EngineConfig
+from replicas.engine import LLMEngine, Prompt
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, tensor_parallel_size: int = 1, **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        order = []
+        for prompt, p in zip(prompts, plist):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, p)
+            order.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[rid] for rid in order]
+
+    def chat(self, conversations, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """`conversations`: one list of {"role", "content"} messages, or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,222 @@
+"""One rank's model: loads its shard, owns its KV cache, runs a step's forward.
+
+Rank 0 sends each step's `StepInput` to the other ranks over the gloo control group (one
+broadcast per step, never a Ray call); every rank runs the same forward, the TP layers all-reduce,
+and rank 0 gets the full-vocabulary logits of the sampling rows.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from replicas.attention.context import ForwardContext, forward_context
+from replicas.config import EngineConfig, ModelConfig
+from replicas.distributed.communicator import GlooCommunicator, NcclCommunicator, SingleCommunicator
+from replicas.distributed.parallel_state import set_tp_group
+from replicas.models import model_class
+from replicas.step_input import StepInput
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(config: EngineConfig, device_index: int | None) -> torch.device:
+    kind = config.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        return torch.device("cuda", device_index if device_index is not None else 0)
+    return torch.device("cpu")
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None,
+                 device_index: int | None = None, checkpoint=None):
+        from replicas.loaders import load_checkpoint
+
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.device = resolve_device(config, device_index if device_index is not None
+                                     else (rank if world_size > 1 else None))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config, self.device)
+        self._init_distributed(init_method)
+        checkpoint = checkpoint or load_checkpoint(config.model)
+        self.model_config: ModelConfig = checkpoint.model_config
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(self.model_config.architecture)(self.model_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        self.model.load_weights(checkpoint.weights())
+        self.model.eval()
+        self.block_size = config.block_size
+        self.kv_caches: list[torch.Tensor] = []
+        self.backend = self._make_backend()
+        for layer in self._attention_layers():
+            layer.backend = self.backend
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _init_distributed(self, init_method: str | None) -> None:
+        if self.world_size == 1:
+            set_tp_group(SingleCommunicator())
+            return
+        dist.init_process_group("gloo", init_method=init_method, rank=self.rank, world_size=self.world_size)
+        backend = self.config.distributed_backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        comm = NcclCommunicator(self.device) if backend == "nccl" else GlooCommunicator()
+        set_tp_group(comm)
+
+    def _make_backend(self):
+        from replicas.attention.torch_backend import TorchAttentionBackend
+
+        choice = self.config.attention_backend
+        if choice == "auto":
+            choice = "triton" if self.device.type == "cuda" else "torch"
+        if choice == "triton":
+            from replicas.attention.triton_backend import TritonAttentionBackend
+            return TritonAttentionBackend(self.block_size)
+        return TorchAttentionBackend(self.block_size)
+
+    def _attention_layers(self):
+        return [layer.self_attn.attn for layer in self.model.model.layers]
+
+    def kv_block_bytes(self) -> int:
+        mc = self.model_config
+        kv_heads = mc.num_key_value_heads // self.world_size
+        per_layer = 2 * self.block_size * kv_heads * mc.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return per_layer * mc.num_hidden_layers
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One tensor per layer, [num_blocks, 2, block_size, Hkv, D]: a block's K and V are adjacent,
+        so the reserve region (the tail blocks) is one contiguous tail of each layer's range."""
+        mc = self.model_config
+        kv_heads = mc.num_key_value_heads // self.world_size
+        shape = (num_blocks, 2, self.block_size, kv_heads, mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self._attention_layers()]
+        for layer, cache in zip(self._attention_layers(), self.kv_caches):
+            layer.kv_cache = cache
+
+    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """Use caches made elsewhere (the elastic VMM allocator) instead of allocating."""
+        self.kv_caches = caches
+        for layer, cache in zip(self._attention_layers(), caches):
+            layer.kv_cache = cache
+
+    def num_kv_blocks_for_budget(self) -> int:
+        """Blocks that fit: the configured count, the CPU byte budget, or GPU memory after a profiled peak."""
+        if self.config.num_kv_blocks is not None:
+            n = self.config.num_kv_blocks
+        elif self.device.type == "cpu":
+            n = self.config.kv_cache_bytes // self.kv_block_bytes()
+        else:
+            peak = self.profile_peak_activation_bytes()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - peak
+            n = int(budget // self.kv_block_bytes())
+        if self.world_size > 1:
+            t = torch.tensor([n])
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            n = int(t.item())
+        if n < 2:
+            raise RuntimeError(f"not enough memory for the KV cache ({n} blocks); lower max_num_batched_tokens "
+                               "or raise gpu_memory_utilization")
+        return n
+
+    @torch.inference_mode()
+    def profile_peak_activation_bytes(self) -> int:
+        """Peak bytes of one full `max_num_batched_tokens` prefill step, logits and sampling included."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.allocate_kv_cache(1)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.max_num_batched_tokens
+        rows = min(self.config.max_num_seqs, n)
+        seq_len = -(-n // rows)
+        lens = [min(seq_len, n - i * seq_len) for i in range(rows) if n - i * seq_len > 0]
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        step = StepInput(
+            input_ids=np.zeros(n, np.int64), positions=np.concatenate([np.arange(l) for l in lens]),
+            slot_mapping=np.full(n, -1, np.int64), query_start_loc=qsl, seq_lens=np.asarray(lens, np.int32),
+            block_tables=np.zeros((len(lens), 1), np.int32), sample_indices=qsl[1:].astype(np.int64) - 1)
+        logits = self.forward(step)
+        if logits is not None:
+            torch.softmax(logits.float(), -1).sort(-1)     # the sampler's worst case: sort for top-p
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # ---- steps ------------------------------------------------------------------------------
+    def _context(self, step: StepInput) -> ForwardContext:
+        dev = self.device
+        qsl = torch.from_numpy(step.query_start_loc).to(dev, non_blocking=True)
+        lens = torch.from_numpy(step.seq_lens).to(dev, non_blocking=True)
+        qlens = np.diff(step.query_start_loc)
+        return ForwardContext(
+            query_start_loc=qsl, seq_lens=lens,
+            block_tables=torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
+            max_query_len=int(qlens.max()), max_seq_len=int(step.seq_lens.max()),
+            tree_mask=None if step.tree_mask is None else torch.from_numpy(step.tree_mask).to(dev),
+            query_lens_host=qlens.tolist(), seq_lens_host=step.seq_lens.tolist())
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor | None:
+        """Runs the model on every rank; returns float32 logits [S, V] on rank 0, None elsewhere."""
+        ctx = self._context(step)
+        self.backend.plan(ctx)
+        input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
+        with forward_context(ctx):
+            hidden, self.last_aux_hidden = self.model(input_ids, positions, step.aux_layers)
+        sample = torch.from_numpy(step.sample_indices).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[sample])
+        return None if logits is None else logits.float()
+
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Rank 0: send the step to the other ranks, then run it here."""
+        if self.world_size > 1:
+            dist.broadcast_object_list([step], src=0)
+        return self.forward(step)
+
+    def serve_forever(self) -> None:
+        """Ranks 1..N-1: run whatever rank 0 broadcasts until it sends None."""
+        assert self.rank > 0
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            msg = box[0]
+            if msg is None:
+                break
+            if isinstance(msg, tuple):            # a control call: (method name, args)
+                getattr(self, msg[0])(*msg[1])
+                continue
+            self.forward(msg)
+        dist.destroy_process_group()
+
+    def call_all(self, method: str, *args):
+        """Rank 0: run a method on every rank (set-up calls, not per step)."""
+        if self.world_size > 1:
+            dist.broadcast_object_list([(method, args)], src=0)
+        return getattr(self, method)(*args)
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.broadcast_object_list([None], src=0)
+            dist.destroy_process_group()

@@ -1,0 +1,143 @@
+"""Token-budget scheduler: each step, running sequences then waiting ones share one budget.
+
+A sequence asks for `num_tokens - num_computed_tokens` tokens (capped by the budget): a decode
+asks for one, a prefill for a chunk, a recompute after preemption for everything. Preemption is
+by recompute, newest first, and a step that preempted admits nobody new.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from memory.block_manager import BlockManager
+from replicas.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def samples(self, i: int) -> bool:
+        """Sequence i reaches the end of its known tokens in this step, so it samples one."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+@dataclass(frozen=True)
+class Lookahead:
+    """What the next step will likely hold, for the elastic KV planner."""
+    prefill_tokens: int       # tokens of prompts/recomputes that the next step would take
+    num_seqs: int
+    decode_seqs: int
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int):
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def set_budget(self, max_num_batched_tokens: int) -> None:
+        """Takes effect at the next step."""
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted: list[Sequence] = []
+        bm = self.block_manager
+
+        running = list(self.running)
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                victim = running.pop()              # newest first
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, n)
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+                i += 1
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            fresh = not seq.block_table
+            if fresh:
+                bm.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_allocate(seq, n):
+                if fresh:
+                    bm.free(seq)                       # give back the cache hits; retry next step
+                break
+            self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = seq.num_computed_tokens
+            bm.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, preempted)
+
+    def lookahead(self) -> Lookahead:
+        """The next step's prefill demand: unfinished prompts/recomputes of running and waiting sequences."""
+        budget = self.max_num_batched_tokens
+        decodes = sum(1 for s in self.running if s.num_uncomputed_tokens <= 1)
+        prefill = sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1)
+        prefill += sum(s.num_uncomputed_tokens for s in self.waiting)
+        prefill = min(prefill, max(0, budget - decodes))
+        return Lookahead(prefill, len(self.running) + len(self.waiting), decodes)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)
