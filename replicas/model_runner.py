@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from replicas.attention.context import ForwardContext, forward_context
+from replicas.attention.spec import AttentionBatch
 from replicas.config import EngineConfig, ModelConfig
 from replicas.distributed.communicator import GlooCommunicator, NcclCommunicator, SingleCommunicator
 from replicas.distributed.parallel_state import set_tp_group
@@ -168,13 +169,13 @@ class ModelRunner:
         qsl = torch.from_numpy(step.query_start_loc).to(dev, non_blocking=True)
         lens = torch.from_numpy(step.seq_lens).to(dev, non_blocking=True)
         qlens = np.diff(step.query_start_loc)
-        return ForwardContext(
+        batch = AttentionBatch(
             query_start_loc=qsl, seq_lens=lens,
             block_tables=torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
             max_query_len=int(qlens.max()), max_seq_len=int(step.seq_lens.max()),
-            tree_mask=None if step.tree_mask is None else torch.from_numpy(step.tree_mask).to(dev),
-            query_lens_host=qlens.tolist(), seq_lens_host=step.seq_lens.tolist())
+            tree_mask=None if step.tree_mask is None else torch.from_numpy(step.tree_mask).to(dev))
+        return ForwardContext(batch, torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
+                              query_lens_host=qlens.tolist(), seq_lens_host=step.seq_lens.tolist())
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor | None:

@@ -20,31 +20,32 @@ class TorchAttentionBackend:
     def plan(self, ctx: ForwardContext) -> None:
         qlens, slens = ctx.query_lens_host, ctx.seq_lens_host
         assert qlens is not None and slens is not None, "the torch backend plans from host lengths"
-        dev = ctx.seq_lens.device
-        decode = [i for i, q in enumerate(qlens) if q == 1 and ctx.tree_mask is None]
+        b = ctx.batch
+        dev = b.seq_lens.device
+        decode = [i for i, q in enumerate(qlens) if q == 1 and b.tree_mask is None]
         other = [i for i in range(len(qlens)) if i not in set(decode)]
         st: dict = {"decode_rows": None, "prefill": []}
         if decode:
             max_len = max(slens[i] for i in decode)
             rows = torch.tensor(decode, device=dev)
             pos = torch.arange(max_len, device=dev).unsqueeze(0)
-            lens = ctx.seq_lens[rows].unsqueeze(1).long()
-            tables = ctx.block_tables[rows].long()
+            lens = b.seq_lens[rows].unsqueeze(1).long()
+            tables = b.block_tables[rows].long()
             blk = tables.gather(1, (pos // self.block_size).clamp_max(tables.shape[1] - 1).expand(len(decode), -1))
             st["decode_rows"] = rows
-            st["decode_tokens"] = ctx.query_start_loc[rows].long()
+            st["decode_tokens"] = b.query_start_loc[rows].long()
             st["decode_blk"], st["decode_off"] = blk, (pos % self.block_size).expand(len(decode), -1)
             st["decode_mask"] = pos < lens                     # [Bd, L]
-        starts = ctx.query_start_loc.tolist() if other else []
+        starts = b.query_start_loc.tolist() if other else []
         for i in other:
             n, L = qlens[i], slens[i]
             pos = torch.arange(L, device=dev)
-            blk = ctx.block_tables[i, pos // self.block_size].long()
+            blk = b.block_tables[i, pos // self.block_size].long()
             q_pos = torch.arange(L - n, L, device=dev).unsqueeze(1)
             mask = pos.unsqueeze(0) <= q_pos                   # causal over the context
-            if ctx.tree_mask is not None:
+            if b.tree_mask is not None:
                 mask = mask.clone()
-                mask[:, L - n:] = ctx.tree_mask[i, :n, :n]
+                mask[:, L - n:] = b.tree_mask[i, :n, :n]
             st["prefill"].append((starts[i], n, blk, pos % self.block_size, mask))
         ctx.backend_state["torch"] = st
 

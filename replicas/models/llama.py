@@ -136,10 +136,11 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[target]
             tensor = tensor.to(param.dtype)
+            loader = getattr(param, "weight_loader", _copy_loader)
             if shard is None:
-                param.weight_loader(param, tensor)
+                loader(param, tensor)
             else:
-                param.weight_loader(param, tensor, shard)
+                loader(param, tensor, shard)
             loaded.add(target)
         missing = {n for n in params if n not in loaded}
         if self.config.tie_word_embeddings:
@@ -147,3 +148,9 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:8]}")
         return loaded
+
+
+def _copy_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
