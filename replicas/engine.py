@@ -42,8 +42,6 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.model_config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         gen_eos = checkpoint.generation_config.get("eos_token_id")
         eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -55,8 +53,10 @@ class LLMEngine:
         for rank in range(1, tp):
             self.launcher.launch(config, rank, tp, init_method)
         self.runner = ModelRunner(config, 0, tp, init_method, checkpoint=checkpoint)
+        self.max_model_len = self.runner.max_model_len
         num_blocks = self.runner.num_kv_blocks_for_budget()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs()
         reserve = min(config.reserve_blocks, num_blocks - 1)
         self.block_manager = BlockManager(num_blocks - reserve, reserve, config.block_size,
                                           config.enable_prefix_caching)

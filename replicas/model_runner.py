@@ -63,8 +63,11 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(checkpoint.weights())
         self.model.eval()
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs = None
         self.backend = self._make_backend()
         for layer in self._attention_layers():
             layer.backend = self.backend
@@ -116,6 +119,16 @@ class ModelRunner:
         self.kv_caches = caches
         for layer, cache in zip(self._attention_layers(), caches):
             layer.kv_cache = cache
+
+    def capture_graphs(self) -> None:
+        """Once, after the KV tensors exist (their addresses never change afterwards)."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
+            return
+        from replicas.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.backend, self.device, self.config.max_num_seqs,
+                                   -(-self.max_model_len // self.block_size), self.max_model_len)
+        self.graphs.capture()
 
     def num_kv_blocks_for_budget(self) -> int:
         """Blocks that fit: the configured count, the CPU byte budget, or GPU memory after a profiled peak."""
@@ -180,12 +193,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor | None:
         """Runs the model on every rank; returns float32 logits [S, V] on rank 0, None elsewhere."""
-        ctx = self._context(step)
-        self.backend.plan(ctx)
-        input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
-        positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
-        with forward_context(ctx):
-            hidden, self.last_aux_hidden = self.model(input_ids, positions, step.aux_layers)
+        if self.graphs is not None and self.graphs.can_run(step):
+            hidden = self.graphs.run(step)
+        else:
+            ctx = self._context(step)
+            self.backend.plan(ctx)
+            input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+            positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
+            with forward_context(ctx):
+                hidden, self.last_aux_hidden = self.model(input_ids, positions, step.aux_layers)
         sample = torch.from_numpy(step.sample_indices).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[sample])
         return None if logits is None else logits.float()
