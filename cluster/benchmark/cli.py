@@ -22,7 +22,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model id to request (default: the first id of GET /v1/models)")
     p.add_argument("--tokenizer", default=None,
-                   help="the served model's tokenizer (.gguf, tokenizer.json or a folder); default: the embedded "
+                   help="the served model's tokenizer (.gguf, HF folder or tokenizer.json); default: the embedded "
                         "GGUF's, exact for the default model and a length proxy otherwise")
     p.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
     p.add_argument("--random-input-len", type=int, default=1024)

@@ -5,7 +5,6 @@ import functools
 import importlib.util
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol, Sequence
@@ -70,31 +69,21 @@ def is_default_model(model_id: str) -> bool:
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str) -> TextTokenizer:
-    """A tokenizer from a .gguf file, an HF `tokenizer.json`, or a folder holding one."""
+    """The tokenizer of a .gguf file or an HF folder (via `replicas.tokenizer`), or of a bare tokenizer.json."""
     p = Path(path)
-    if p.suffix == ".gguf":
-        return _gguf_tokenizer(p)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"no tokenizer at {path}: give a .gguf file, a tokenizer.json or a folder with one")
-    from tokenizers import Tokenizer as HFTokenizer
-    tok = HFTokenizer.from_file(str(p))
-    return FunctionTokenizer(tok.get_vocab_size(),
-                             lambda text: tok.encode(text, add_special_tokens=False).ids,
-                             tok.decode)
-
-
-def _gguf_tokenizer(path: Path) -> TextTokenizer:
-    try:
-        from replicas.tokenizer import Tokenizer
-        tok = Tokenizer.from_gguf(str(path))
-        return FunctionTokenizer(tok.vocab_size, tok.encode, tok.decode)
-    except (ImportError, AttributeError) as e:
-        print(f"[bench] replicas.tokenizer unavailable ({e}); reading {path.name} with transformers", file=sys.stderr)
-    from transformers import AutoTokenizer
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return FunctionTokenizer(len(hf), lambda text: hf.encode(text, add_special_tokens=False), hf.decode)
+    if p.suffix == ".json" and p.is_file():
+        from tokenizers import Tokenizer as BackendTokenizer
+        backend = BackendTokenizer.from_file(str(p))
+        return FunctionTokenizer(backend.get_vocab_size(), lambda text: backend.encode(text).ids, backend.decode)
+    from replicas.tokenizer import Tokenizer
+    if p.suffix == ".gguf" and p.is_file():
+        tok = Tokenizer.from_gguf(str(p))
+    elif p.is_dir():
+        tok = Tokenizer.from_hf_folder(str(p))
+    else:
+        raise FileNotFoundError(f"no tokenizer at {path}: give a .gguf file, an HF folder or a tokenizer.json")
+    # The server encodes a prompt with its special tokens (a BOS where the model adds one); count the same way.
+    return FunctionTokenizer(tok.vocab_size, tok.encode, tok.decode)
 
 
 def resolve_tokenizer(model_id: str, tokenizer_path: Optional[str]) -> tuple[TextTokenizer, bool]:
