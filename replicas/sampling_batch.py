@@ -1,0 +1,163 @@
+"""Per-step sampling state: a list of SamplingParams turned into device tensors once per step.
+
+`SamplingBatch.build` is the only O(B) Python in sampling; `Sampler.forward` (replicas/sampler.py)
+reads nothing but the tensors and flags made here. Random-row parameters are stored only for the
+rows that sample (`random_rows`), so greedy rows cost nothing beyond an argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from replicas.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+
+
+@dataclass
+class PenaltyState:
+    """Penalty factors [B, 1] and token histories [B, V]; rows without penalties hold neutral values."""
+    repetition: torch.Tensor        # divide positive / multiply negative logits of seen tokens
+    presence: torch.Tensor          # subtracted once from tokens in the output
+    frequency: torch.Tensor         # subtracted per occurrence in the output
+    output_counts: torch.Tensor     # float32 [B, V]: occurrences of each token in the output so far
+    seen: torch.Tensor              # bool [B, V]: token is in the prompt or the output
+
+
+@dataclass
+class SamplingBatch:
+    vocab_size: int
+    num_rows: int
+    greedy: torch.Tensor            # bool [B]
+    random_rows: torch.Tensor       # int64 [R]: rows that sample, in batch order
+    # The tensors below have one entry per random row (length R), aligned with `random_rows`.
+    temperature: torch.Tensor       # float32 [R]
+    top_k: torch.Tensor             # int64 [R]; vocab_size when disabled
+    top_p: torch.Tensor             # float32 [R]; 1.0 when disabled
+    min_p: torch.Tensor             # float32 [R]; 0.0 when disabled
+    seed_lo: torch.Tensor           # int64 [R]: low 32 bits of the row's seed (mod 2**64)
+    seed_hi: torch.Tensor           # int64 [R]: high 32 bits
+    positions: torch.Tensor         # int64 [R]: index in the sequence of the token being sampled
+    all_greedy: bool
+    all_random: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    needs_full_sort: bool           # a row uses top-p without top-k
+    max_top_k: int                  # largest enabled top_k among random rows (0 if none)
+    penalties: Optional[PenaltyState]
+    stop_mask: Optional[torch.Tensor]   # bool [B, V]: EOS / stop ids of rows still short of min_tokens
+    num_logprobs: Optional[int]     # K = max requested logprobs; None when no row asked
+
+    @staticmethod
+    def build(params: list[SamplingParams], seeds: list[int], positions: list[int],
+              output_token_ids: Sequence[Sequence[int]], prompt_token_ids: Sequence[Sequence[int]],
+              eos_token_ids: tuple[int, ...], vocab_size: int, device) -> "SamplingBatch":
+        n = len(params)
+        if not (len(seeds) == len(positions) == n):
+            raise ValueError(f"params, seeds and positions must have one entry per row, got "
+                             f"{n}, {len(seeds)}, {len(positions)}")
+        greedy = [p.greedy for p in params]
+        rnd = [i for i in range(n) if not greedy[i]]
+        top_k = [_effective_top_k(params[i].top_k, vocab_size) for i in rnd]
+        top_p = [float(params[i].top_p) for i in rnd]
+        min_p = [float(params[i].min_p) for i in rnd]
+        seed64 = [int(seeds[i]) & _MASK64 for i in rnd]
+        enabled_k = [k for k in top_k if k < vocab_size]
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return SamplingBatch(
+            vocab_size=vocab_size,
+            num_rows=n,
+            greedy=tensor(greedy, torch.bool),
+            random_rows=tensor(rnd, torch.long),
+            temperature=tensor([float(params[i].temperature) for i in rnd], torch.float32),
+            top_k=tensor(top_k, torch.long),
+            top_p=tensor(top_p, torch.float32),
+            min_p=tensor(min_p, torch.float32),
+            seed_lo=tensor([s & _MASK32 for s in seed64], torch.long),
+            seed_hi=tensor([s >> 32 for s in seed64], torch.long),
+            positions=tensor([int(positions[i]) & _MASK32 for i in rnd], torch.long),
+            all_greedy=not rnd,
+            all_random=len(rnd) == n,
+            use_top_k=bool(enabled_k),
+            use_top_p=any(p < 1.0 for p in top_p),
+            use_min_p=any(p > 0.0 for p in min_p),
+            needs_full_sort=any(p < 1.0 and k == vocab_size for p, k in zip(top_p, top_k)),
+            max_top_k=max(enabled_k, default=0),
+            penalties=_build_penalties(params, output_token_ids, prompt_token_ids, vocab_size, device),
+            stop_mask=_build_stop_mask(params, output_token_ids, eos_token_ids, vocab_size, device),
+            num_logprobs=max(requested) if requested else None,
+        )
+
+
+def _effective_top_k(top_k: int, vocab_size: int) -> int:
+    return vocab_size if top_k <= 0 or top_k >= vocab_size else top_k
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _padded_ids(lists: list[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """[B, L] int64 on the host, padded with `vocab_size` (a column the scatter target drops)."""
+    width = max((len(t) for t in lists), default=0)
+    ids = np.full((len(lists), max(width, 1)), vocab_size, dtype=np.int64)
+    for row, toks in enumerate(lists):
+        if len(toks):
+            ids[row, :len(toks)] = toks
+    return torch.from_numpy(ids)
+
+
+def _scatter_ids(lists: list[Sequence[int]], vocab_size: int, device, dtype) -> torch.Tensor:
+    """[B, V] with out[b, t] = number of times t occurs in lists[b] (cast to dtype)."""
+    ids = _padded_ids(lists, vocab_size).to(device)
+    out = torch.zeros(len(lists), vocab_size + 1, dtype=torch.float32, device=device)
+    out.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
+    return out[:, :vocab_size].to(dtype)
+
+
+def _build_penalties(params, output_token_ids, prompt_token_ids, vocab_size, device) -> Optional[PenaltyState]:
+    rows = [i for i, p in enumerate(params) if _has_penalty(p)]
+    if not rows:
+        return None
+    on = set(rows)
+    outputs = [output_token_ids[i] if i in on else () for i in range(len(params))]
+    prompts = [prompt_token_ids[i] if i in on and params[i].repetition_penalty != 1.0 else ()
+               for i in range(len(params))]
+    counts = _scatter_ids(outputs, vocab_size, device, torch.float32)
+    seen = _scatter_ids(prompts, vocab_size, device, torch.bool) | (counts > 0)
+
+    def column(values):
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    return PenaltyState(
+        repetition=column([float(p.repetition_penalty) for p in params]),
+        presence=column([float(p.presence_penalty) for p in params]),
+        frequency=column([float(p.frequency_penalty) for p in params]),
+        output_counts=counts,
+        seen=seen,
+    )
+
+
+def _build_stop_mask(params, output_token_ids, eos_token_ids, vocab_size, device) -> Optional[torch.Tensor]:
+    stops: list[tuple[int, ...]] = []
+    any_short = False
+    for i, p in enumerate(params):
+        if p.min_tokens > 0 and len(output_token_ids[i]) < p.min_tokens:
+            ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_token_ids))
+            ids = tuple(t for t in ids if 0 <= t < vocab_size)
+            any_short = any_short or bool(ids)
+            stops.append(ids)
+        else:
+            stops.append(())
+    if not any_short:
+        return None
+    return _scatter_ids(stops, vocab_size, device, torch.bool)
