@@ -115,6 +115,7 @@ class Sampler(nn.Module):
         self._codes: Optional[torch.Tensor] = None
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (tuple(logits.shape), batch.num_rows)
         if logits.shape[-1] > batch.vocab_size:        # padded LM head columns are never sampled
             logits = logits[:, :batch.vocab_size]
         logits = logits.float()

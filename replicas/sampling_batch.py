@@ -32,7 +32,6 @@ class PenaltyState:
 class SamplingBatch:
     vocab_size: int
     num_rows: int
-    greedy: torch.Tensor            # bool [B]
     random_rows: torch.Tensor       # int64 [R]: rows that sample, in batch order
     # The tensors below have one entry per random row (length R), aligned with `random_rows`.
     temperature: torch.Tensor       # float32 [R]
@@ -61,8 +60,7 @@ class SamplingBatch:
         if not (len(seeds) == len(positions) == n):
             raise ValueError(f"params, seeds and positions must have one entry per row, got "
                              f"{n}, {len(seeds)}, {len(positions)}")
-        greedy = [p.greedy for p in params]
-        rnd = [i for i in range(n) if not greedy[i]]
+        rnd = [i for i, p in enumerate(params) if not p.greedy]
         top_k = [_effective_top_k(params[i].top_k, vocab_size) for i in rnd]
         top_p = [float(params[i].top_p) for i in rnd]
         min_p = [float(params[i].min_p) for i in rnd]
@@ -76,7 +74,6 @@ class SamplingBatch:
         return SamplingBatch(
             vocab_size=vocab_size,
             num_rows=n,
-            greedy=tensor(greedy, torch.bool),
             random_rows=tensor(rnd, torch.long),
             temperature=tensor([float(params[i].temperature) for i in rnd], torch.float32),
             top_k=tensor(top_k, torch.long),
