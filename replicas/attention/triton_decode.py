@@ -57,10 +57,10 @@ def _decode_partial_kernel(
     out_ptr, m_ptr, l_ptr, acc_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    partition_size, scale_log2, window,
+    num_splits, partition_size, scale_log2, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -68,7 +68,7 @@ def _decode_partial_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     lo = split * partition_size
     # The last split runs to seq_len, so a max_seq_len that is too small costs speed, never correctness.
-    hi = tl.where(split == NUM_SPLITS - 1, seq_len, tl.minimum(lo + partition_size, seq_len))
+    hi = tl.where(split == num_splits - 1, seq_len, tl.minimum(lo + partition_size, seq_len))
     if HAS_WINDOW:
         lo = tl.maximum(lo, seq_len - window)   # the query sits at seq_len - 1
 
@@ -104,12 +104,12 @@ def _decode_partial_kernel(
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        part = (b.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split      # [BLOCK_G] partial index
+        part = (b.to(tl.int64) * NUM_HEADS + heads) * num_splits + split      # [BLOCK_G] partial index
         tl.store(m_ptr + part, m_i, mask=g_mask)
         tl.store(l_ptr + part, l_i, mask=g_mask)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
@@ -117,16 +117,16 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    part = (b * NUM_HEADS + h) * NUM_SPLITS + s
+    s_mask = s < num_splits
+    part = (b * NUM_HEADS + h) * num_splits + s
     m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))
     l = tl.load(l_ptr + part, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
@@ -161,23 +161,23 @@ def paged_decode_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, se
         l = torch.empty_like(m)
         acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     else:
-        m = l = acc = out       # unused by the kernel when NUM_SPLITS == 1
+        m = l = acc = out       # unused by the kernel without SPLIT
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_partial_kernel[(num_seqs, spec.num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        partition, spec.scale * LOG2E, spec.sliding_window or 0,
+        splits, partition, spec.scale * LOG2E, spec.sliding_window or 0,
         NUM_HEADS=num_heads, GROUP=spec.group_size, HEAD_DIM=head_dim, BLOCK_SIZE=spec.block_size,
         BLOCK_G=max(16, triton.next_power_of_2(spec.group_size)), BLOCK_N=tuning.block_n, BLOCK_D=block_d,
-        NUM_SPLITS=splits, HAS_WINDOW=spec.sliding_window is not None,
+        SPLIT=splits > 1, HAS_WINDOW=spec.sliding_window is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            m, l, acc, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+            m, l, acc, out, out.stride(0), out.stride(1), splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
         )
     return out
