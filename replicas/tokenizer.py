@@ -132,6 +132,9 @@ class Tokenizer:
         # Whether plain encoding starts with BOS (HF: the post-processor adds it).
         self.adds_bos = self.bos_token_id is not None and backend.encode("a").ids[:1] == [self.bos_token_id]
 
+    def __getstate__(self):   # the compiled jinja environment does not pickle; it is rebuilt on demand
+        return {k: v for k, v in self.__dict__.items() if k != "_environment"}
+
     # ---- construction -------------------------------------------------------------------------------
     @staticmethod
     def from_gguf(reader_or_path) -> "Tokenizer":
@@ -232,7 +235,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kw) -> str:
         checked = _check_messages(messages)
-        variables = {**self.special_tokens, **kw}
+        variables = {**{k: v for k, v in self.special_tokens.items() if v is not None}, **kw}
         try:
             return self._template(tools).render(messages=checked, tools=tools, documents=None,
                                                 add_generation_prompt=add_generation_prompt, **variables)

@@ -52,10 +52,10 @@ def test_smollm2_config():
     assert len(ckpt.weight_names()) == 272 and "lm_head.weight" not in ckpt.weight_names()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_gguf_round_trips_to_its_source_weights(tmp_path, arch):
-    """F32 GGUF written with llama.cpp's layout (q/k rows permuted for llama) loads back bit-exact."""
-    path = make_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch)
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("llama", {"attention_bias": True}), ("qwen3", {})])
+def test_tiny_gguf_round_trips_to_its_source_weights(tmp_path, arch, overrides):
+    """F32 GGUF written with llama.cpp's layout (q/k rows and biases permuted for llama) loads back bit-exact."""
+    path = make_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch, **overrides)
     source = load_file(os.path.join(path + ".hf", "model.safetensors"))
     ckpt = load_checkpoint(path)
     ours = dict(ckpt.weights())
@@ -68,6 +68,7 @@ def test_tiny_gguf_round_trips_to_its_source_weights(tmp_path, arch):
     assert (mc.head_dim, mc.num_key_value_heads, mc.tie_word_embeddings) == \
         (cfg["head_dim"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"])
     assert mc.qk_norm == (arch == "qwen3") and mc.rope_theta == cfg["rope_theta"]
+    assert mc.attention_bias == cfg["attention_bias"]
     assert mc.vocab_size == cfg["vocab_size"]
 
 

@@ -1,4 +1,5 @@
 """Tokenizer parity with HF transformers: SmolLM2's GGUF tokenizer and the tiny HF folders."""
+import copy
 import os
 
 import gguf
@@ -106,6 +107,22 @@ def test_tiny_folder_chat_template_equal_transformers(tiny):
     _check_chat_parity(ours, theirs, tools=TOOLS)
 
 
+def test_missing_special_tokens_render_empty_like_transformers(tiny):
+    ours, theirs = copy.copy(tiny[0]), tiny[1]
+    template = "[{{ bos_token }}][{{ unk_token }}][{{ eos_token }}]"
+    ours.chat_templates = {"default": template}
+    assert ours.apply_chat_template(CHATS[0]) == theirs.apply_chat_template(CHATS[0], chat_template=template,
+                                                                            tokenize=False)
+
+
+def test_tokenizer_pickles_after_rendering(smollm2):
+    import pickle
+    ours = smollm2[0]
+    text = ours.apply_chat_template(CHATS[0])
+    again = pickle.loads(pickle.dumps(ours))
+    assert again.apply_chat_template(CHATS[0]) == text and again.encode(text) == ours.encode(text)
+
+
 def test_tiny_llama_bos_written_once(tmp_path):
     tok = Tokenizer.from_hf_folder(make_tiny_llama(tmp_path))
     bos = tok.token_to_id("<|begin_of_text|>")
@@ -175,14 +192,10 @@ def test_template_exceptions_become_value_errors(tmp_path):
 
 
 def test_template_sandbox_blocks_attribute_escape(smollm2):
-    tok = smollm2[0]
-    tok_templates = tok.chat_templates
-    try:
-        tok.chat_templates = {"default": "{{ messages.__class__.__mro__ }}"}
-        with pytest.raises(Exception):
-            tok.apply_chat_template(CHATS[0])
-    finally:
-        tok.chat_templates = tok_templates
+    tok = copy.copy(smollm2[0])
+    tok.chat_templates = {"default": "{{ messages.__class__.__mro__ }}"}
+    with pytest.raises(ValueError, match="unsafe"):
+        tok.apply_chat_template(CHATS[0])
 
 
 def test_unsupported_gguf_tokenizer_model(tmp_path):
