@@ -1,0 +1,68 @@
+"""Tree verification: which drafted nodes the target accepts, and the tokens a round emits.
+
+The target runs once over [root, node 0 .. node N-1] with the tree mask; its logits at verify slot s (root = 0,
+node i = 1+i) are its next-token distribution after the path ending at s. At every slot we draw the target's
+own choice y_s: the argmax at T=0, else `sample_fn` (the same logits processors plain decoding uses). From the
+root we walk while y_s is one of the current slot's children; the first y_s that is not becomes the bonus
+token. Every emitted token is the target's own draw after the committed prefix plus the accepted path, so the
+output has exactly the target's distribution whatever the tree (lossless). No min(1, p/q) on top-k children,
+no acceptance threshold below 1: both bias the output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from speculative.tree import DraftTree
+
+SampleFn = Callable[[Tensor], Tensor]   # logits [rows, V] -> token ids [rows]
+
+
+@dataclass
+class Acceptance:
+    path: Tensor                # [B, N] accepted node indices in path order, -1 padded
+    num_accepted: Tensor        # [B] accepted draft tokens
+    tokens: Tensor              # [B, N+1] emitted tokens: the accepted path then the bonus token, -1 padded
+    num_emitted: Tensor         # [B] = num_accepted + 1
+    path_slots: Tensor          # [B, N+1] verify slots to keep (KV, hidden states): root 0, then 1+node; -1 padded
+    accepted_per_depth: Tensor  # [N] how many requests accepted a token at depth d (for metrics)
+
+
+def target_choices(target_logits: Tensor, sample_fn: Optional[SampleFn] = None) -> Tensor:
+    """target_logits [B, 1+N, V] -> the target's token at every verify slot [B, 1+N] (argmax if no sample_fn).
+    sample_fn sees the logits flattened request-major: row b*(1+N)+s is request b, slot s."""
+    if sample_fn is None:
+        return target_logits.argmax(-1)
+    b, slots, v = target_logits.shape
+    return sample_fn(target_logits.reshape(b * slots, v)).view(b, slots)
+
+
+def accept(tree: DraftTree, target_logits: Tensor, sample_fn: Optional[SampleFn] = None) -> Acceptance:
+    return walk(tree, target_choices(target_logits, sample_fn))
+
+
+def walk(tree: DraftTree, choices: Tensor) -> Acceptance:
+    """choices [B, 1+N]: the target's token at each verify slot. Fixed-length loop, no host sync."""
+    b, n = tree.tokens.shape
+    dev = tree.tokens.device
+    parent_slot = torch.where(tree.valid, tree.parents + 1, -1)         # invalid nodes are nobody's child
+    cur = torch.zeros(b, dtype=torch.long, device=dev)                   # current verify slot (root)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    path = torch.full((b, n), -1, dtype=torch.long, device=dev)
+    for d in range(n):
+        want = choices.gather(1, cur[:, None])
+        match = (parent_slot == cur[:, None]) & (tree.tokens == want) & alive[:, None]
+        hit = match.any(1)
+        node = match.to(torch.int8).argmax(1)                            # siblings hold distinct tokens
+        path[:, d] = torch.where(hit, node, -1)
+        cur = torch.where(hit, node + 1, cur)
+        alive = alive & hit
+    num_accepted = (path >= 0).sum(1)
+    bonus = choices.gather(1, cur[:, None])
+    tokens = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), -1)
+    tokens = torch.cat([tokens, torch.full_like(tokens[:, :1], -1)], 1).scatter(1, num_accepted[:, None], bonus)
+    slots = torch.cat([torch.zeros_like(path[:, :1]), torch.where(path >= 0, path + 1, -1)], 1)
+    return Acceptance(path, num_accepted, tokens, num_accepted + 1, slots, (path >= 0).sum(0))

@@ -1,0 +1,94 @@
+"""Batch-aware tree budget: how many draft nodes per request pay off at a given batch size.
+
+A speculative round at batch b with budget n costs one drafter pass plus tree build (`draft_seconds[b]`) and one
+target forward over b x (1+n) tokens (`step_seconds[b][n]`), and emits 1 + E[accepted | n] tokens per request.
+Plain decoding emits 1 token per `step_seconds[b][0]`. The policy picks, per measured batch size, the budget
+with the most tokens per second, and 0 (no speculation) unless some budget is strictly faster. Verify cost
+grows with b x n (and tree logits take b x (1+n) x V memory), so the budget shrinks as the batch grows.
+Latency between measured node counts is interpolated linearly; budgets beyond the measured range are not
+considered. A batch size between measured rows uses the next larger row (its costs are an upper bound).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class VerifyProfile:
+    step_seconds: Mapping[int, Mapping[int, float]]      # batch -> {draft nodes per request: seconds}; 0 = plain
+    draft_seconds: Mapping[int, float] = field(default_factory=dict)   # batch -> drafter + tree build seconds
+
+    def __post_init__(self):
+        for b, row in self.step_seconds.items():
+            if 0 not in row:
+                raise ValueError(f"batch {b}: the plain decoding step (0 nodes) must be measured")
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.step_seconds)
+
+    def batch_row(self, batch: int) -> int:
+        sizes = self.batch_sizes
+        return sizes[min(bisect_left(sizes, batch), len(sizes) - 1)]
+
+    def step_time(self, batch: int, nodes: int) -> Optional[float]:
+        row = self.step_seconds[self.batch_row(batch)]
+        xs = sorted(row)
+        if nodes in row:
+            return row[nodes]
+        if nodes > xs[-1] or nodes < xs[0]:
+            return None
+        i = bisect_left(xs, nodes)
+        x0, x1 = xs[i - 1], xs[i]
+        return row[x0] + (row[x1] - row[x0]) * (nodes - x0) / (x1 - x0)
+
+    def draft_time(self, batch: int) -> float:
+        return self.draft_seconds.get(self.batch_row(batch), 0.0)
+
+
+@dataclass(frozen=True)
+class AcceptanceProfile:
+    accepted: Mapping[int, float]     # budget -> mean accepted draft tokens per round
+
+    @staticmethod
+    def from_rounds(rounds: Mapping[int, Sequence[int]]) -> "AcceptanceProfile":
+        """budget -> accepted-token counts of measured rounds (Acceptance.num_accepted)."""
+        return AcceptanceProfile({n: sum(c) / len(c) for n, c in rounds.items() if len(c) > 0})
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    budget: int
+    tokens_per_second: float          # per request
+    speedup: float                    # over plain decoding at the same batch size
+
+
+def choose_budget(batch: int, verify: VerifyProfile, acceptance: AcceptanceProfile,
+                  vocab_size: Optional[int] = None, max_logits_bytes: Optional[int] = None,
+                  bytes_per_logit: int = 4) -> BudgetChoice:
+    plain = 1.0 / verify.step_time(batch, 0)
+    best = BudgetChoice(0, plain, 1.0)
+    for budget, accepted in sorted(acceptance.accepted.items()):
+        step = verify.step_time(batch, budget)
+        if budget <= 0 or step is None:
+            continue
+        if max_logits_bytes is not None and vocab_size is not None \
+                and batch * (1 + budget) * vocab_size * bytes_per_logit > max_logits_bytes:
+            continue
+        rate = (1.0 + accepted) / (step + verify.draft_time(batch))
+        if rate > best.tokens_per_second:
+            best = BudgetChoice(budget, rate, rate / plain)
+    return best
+
+
+class BudgetPolicy:
+    """Budget per batch size, decided once from the profiles: `policy.budget(batch_size)` on the hot path."""
+
+    def __init__(self, verify: VerifyProfile, acceptance: AcceptanceProfile, **limits):
+        self.verify = verify
+        self.choices = {b: choose_budget(b, verify, acceptance, **limits) for b in verify.batch_sizes}
+
+    def budget(self, batch_size: int) -> int:
+        return self.choices[self.verify.batch_row(batch_size)].budget
