@@ -1,0 +1,184 @@
+"""The Serve deployment that owns one engine. Its process is rank 0 of the replica's TP group.
+
+Ranks 1..TP-1 are `RankWorker` actors in the same placement group (see `cluster.rank_actor`).
+The ingress reaches replicas through a `DeploymentHandle`: `generate` streams frames
+(`StreamStart` or `StreamFailure` first, then lists of `ChoiceDelta`); the fleet controller calls
+`reconfigure` and `stats` on every replica with `handle.broadcast(...)`.
+Serve pickles the class by value at decoration, so the helpers it calls are defined above it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict
+from typing import AsyncIterator, Optional, Union
+
+from ray import serve
+
+from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
+from cluster.rank_actor import RayRankLauncher
+from replicas.async_engine import AsyncLLMEngine, RequestError
+from replicas.config import EngineConfig
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParamsError
+from replicas.stats import EngineStats
+
+logger = logging.getLogger("tidal.replica")
+
+RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
+METRICS_PERIOD_S = 1.0
+
+
+class MetricsPump(threading.Thread):
+    """Feeds `cluster.metrics.ReplicaMetrics` from the engine every period, when that module exists."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, replica_id: str, period_s: float = METRICS_PERIOD_S):
+        super().__init__(name="tidal-metrics", daemon=True)
+        self.engine = engine
+        self.period_s = period_s
+        self.recorder = self._load_recorder(model_name, replica_id)
+        self._halt = threading.Event()
+
+    @staticmethod
+    def _load_recorder(model_name: str, replica_id: str):
+        try:
+            from cluster.metrics import ReplicaMetrics
+        except ModuleNotFoundError as e:
+            if e.name != "cluster.metrics":
+                logger.warning("cluster.metrics failed to import (%s); replica metrics are off", e)
+            return None
+        try:
+            return ReplicaMetrics(model_name, replica_id)
+        except Exception:
+            logger.exception("ReplicaMetrics could not start; replica metrics are off")
+            return None
+
+    def run(self) -> None:
+        while not self._halt.wait(self.period_s):
+            self.flush()
+
+    def flush(self) -> None:
+        if self.recorder is None:
+            return
+        try:
+            self.recorder.record(self.engine.stats(), self.engine.drain_finished_timings())
+        except Exception:
+            logger.exception("recording replica metrics failed")
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout=2 * self.period_s)
+        self.flush()
+
+
+def _deltas(out: RequestOutput, reported: set[int]) -> list[ChoiceDelta]:
+    """The new part of every choice in one engine output; a finish reason is sent once per choice."""
+    deltas = []
+    for o in out.outputs:
+        finish = o.finish_reason if o.finish_reason is not None and o.index not in reported else None
+        if not o.delta_token_ids and not o.delta_text and finish is None:
+            continue
+        if finish is not None:
+            reported.add(o.index)
+        n_new = len(o.delta_token_ids)
+        logprobs = list(o.logprobs[-n_new:]) if (o.logprobs and n_new) else None
+        deltas.append(ChoiceDelta(o.index, o.delta_text, list(o.delta_token_ids), logprobs, finish))
+    return deltas
+
+
+def _failure(e: Exception, default_param: str) -> StreamFailure:
+    code = getattr(e, "code", None)
+    if code is None and isinstance(e, (RequestError, SamplingParamsError)):
+        code = "invalid_value"
+    return StreamFailure(400, str(e), getattr(e, "param", None) or default_param, code)
+
+
+@serve.deployment(
+    name="LLMReplica",
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+    graceful_shutdown_wait_loop_s=0.5,
+    graceful_shutdown_timeout_s=120,
+)
+class LLMReplica:
+    def __init__(self, engine_config: EngineConfig, cpus_per_rank: float = 1.0):
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.launcher: Optional[RayRankLauncher] = None
+        if engine_config.tensor_parallel_size > 1:
+            self.launcher = RayRankLauncher(engine_config.device == "cuda", cpus_per_rank)
+        self.engine = AsyncLLMEngine(engine_config, worker_launcher=self.launcher)
+        self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id)
+        if self.metrics.recorder is not None:
+            self.metrics.start()
+        logger.info("replica %s serving %s (tp=%d)", self.replica_id, self.engine.model_name,
+                    engine_config.tensor_parallel_size)
+
+    async def generate(self, job: GenerationJob) -> AsyncIterator[Union[StreamStart, StreamFailure, list[ChoiceDelta]]]:
+        """Stream one job. Cancelling this call (client gone) closes the engine stream, which aborts it."""
+        param = "messages" if job.messages is not None else "prompt"
+        try:
+            stream = self.engine.generate(self._prompt(job), job.params, job.request_id)
+        except ValueError as e:  # the chat template refused the messages
+            yield _failure(e, param)
+            return
+        started = False
+        reported: set[int] = set()
+        try:
+            async for out in stream:
+                if not started:
+                    started = True
+                    yield StreamStart(self.replica_id, len(out.prompt_token_ids))
+                deltas = _deltas(out, reported)
+                if deltas:
+                    yield deltas
+        except Exception as e:
+            if started:
+                raise
+            if isinstance(e, ValueError):  # RequestError: empty or too long prompt, bad token ids
+                yield _failure(e, param)
+            elif not self.engine.is_alive():
+                yield StreamFailure(503, f"this replica's engine is down ({e}); retry", None, "engine_unavailable")
+            else:
+                raise
+        finally:
+            await stream.aclose()
+
+    def _prompt(self, job: GenerationJob) -> Union[str, list[int]]:
+        if job.messages is not None:
+            return self.engine.tokenizer.encode_chat(job.messages, add_generation_prompt=True)
+        return job.prompt
+
+    async def describe(self) -> dict:
+        """Identity and current stats of this replica (the ingress's /v1/models and /stats read it)."""
+        return {"replica_id": self.replica_id, "model": self.engine.model_name,
+                "max_model_len": self.engine.max_model_len, "stats": asdict(self.engine.stats())}
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def reconfigure(self, knobs: dict) -> dict:
+        """Runtime knobs without a restart: Serve calls it with `user_config`, the controller directly."""
+        unknown = set(knobs or {}) - set(RECONFIGURABLE_KNOBS)
+        if unknown:
+            raise ValueError(f"unknown knobs {sorted(unknown)}; reconfigurable: {RECONFIGURABLE_KNOBS}")
+        applied = self.engine.reconfigure(**(knobs or {}))
+        logger.info("replica %s reconfigured: %s", self.replica_id, applied)
+        return applied
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive():
+            raise RuntimeError("the engine loop is not running")
+        if self.launcher is not None and self.launcher.exited_ranks():
+            raise RuntimeError(f"TP ranks {self.launcher.exited_ranks()} exited")
+
+    def __del__(self):
+        # Serve calls this after in-flight requests drained (graceful_shutdown_timeout_s).
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.stop()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        if getattr(self, "launcher", None) is not None:
+            self.launcher.shutdown()

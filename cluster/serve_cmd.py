@@ -1,0 +1,153 @@
+"""`tidal serve`: start (or join) a Ray cluster, deploy the OpenAI app, serve until Ctrl-C/SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from pydantic import ValidationError
+
+logger = logging.getLogger("tidal.serve")
+
+APP_NAME = "tidal"
+READY_TIMEOUT_S = 900.0
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API on Ray Serve",
+                              description="Serve a model (default: the embedded SmolLM2-135M-Instruct) on Ray "
+                                          "Serve. Joins the cluster in RAY_ADDRESS if set, else starts a local one.")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    p.add_argument("--replicas", type=int, default=1, help="number of replicas")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--metrics-port", type=int, default=8080,
+                   help="Prometheus export port of the local Ray cluster (ignored when joining RAY_ADDRESS)")
+    p.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TIDAL_API_KEY, else no auth)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-ongoing-requests", type=int, default=64, help="per replica, in the engine at once")
+    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting for a replica; beyond -> 503")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.app import AppArgs, build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    device = args.device
+    if device == "auto" and not os.environ.get("RAY_ADDRESS"):
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ranks = args.replicas * args.tp
+    cpus_per_rank = max(1, (os.cpu_count() or 1) // ranks) if device == "cpu" else 1
+    try:
+        app_args = AppArgs(model=args.model, served_model_name=args.served_model_name,
+                           tensor_parallel_size=args.tp, num_replicas=args.replicas, device=device,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                           max_model_len=args.max_model_len, api_key=args.api_key, cpus_per_rank=cpus_per_rank,
+                           max_ongoing_requests=args.max_ongoing_requests,
+                           max_queued_requests=args.max_queued_requests)
+    except ValidationError as e:
+        print(f"tidal serve: bad arguments:\n{e}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    serving = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+        if not serving.is_set():
+            raise KeyboardInterrupt  # still deploying: unwind through the cleanup below
+
+    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    try:
+        if joined:
+            ray.init(address=os.environ["RAY_ADDRESS"])
+        else:
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(ranks * cpus_per_rank)),
+                     include_dashboard=False, _metrics_export_port=args.metrics_port)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        model = _wait_until_healthy(url, READY_TIMEOUT_S)
+        serving.set()
+        metrics = "" if joined else f", Prometheus metrics on :{args.metrics_port}"
+        print(f"tidal: serving {model} at {url}/v1 ({args.replicas} replica(s) x TP{args.tp} on {device}"
+              f"{metrics}); Ctrl-C to stop", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("tidal: shutting down (draining in-flight requests)", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("tidal: interrupted while starting", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:
+        logger.exception("tidal serve failed")
+        print(f"tidal serve: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        serving.set()  # a second signal during cleanup must not interrupt it
+        _cleanup(joined)
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+
+
+def _cleanup(joined: bool) -> None:
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        if joined:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+    except Exception:
+        logger.exception("stopping Serve failed")
+    ray.shutdown()
+
+
+def _wait_until_healthy(url: str, timeout_s: float) -> str:
+    """Poll GET /health until it answers 200; returns the served model id."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+                return json.loads(r.read())["model"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            last = str(e)
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer within {timeout_s:.0f}s ({last})")
+
+
+def main(argv=None) -> int:
+    """`python -m cluster.serve_cmd [serve flags]`, the same as `tidal serve`."""
+    parser = argparse.ArgumentParser(prog="tidal")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

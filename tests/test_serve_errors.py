@@ -1,0 +1,118 @@
+"""Bad input gets the right status and an OpenAI error object, and the server keeps serving.
+A client that leaves mid-stream aborts its request: afterwards no KV block is in use."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (endpoint, body, status, param, code); bodies are dicts, or raw bytes for broken JSON.
+CASES = {
+    "malformed json": (COMPLETIONS, b'{"model": "x", "prompt": ', 400, None, "invalid_json"),
+    "body not an object": (COMPLETIONS, b"[1, 2]", 422, None, "invalid_body"),
+    "missing prompt": (COMPLETIONS, {"model": MODEL}, 422, "prompt", None),
+    "max_tokens a string": (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": "lots"}, 422, "max_tokens", None),
+    "temperature a string": (CHAT, {"model": MODEL, "messages": USER, "temperature": "0.5"}, 422, "temperature", None),
+    "messages not a list": (CHAT, {"model": MODEL, "messages": "hi"}, 422, "messages", None),
+    "content a number": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, 422,
+                         "messages[0].content", None),
+    "temperature too high": (COMPLETIONS, {"model": MODEL, "prompt": "a", "temperature": 5}, 400, "temperature", None),
+    "top_p zero": (CHAT, {"model": MODEL, "messages": USER, "top_p": 0}, 400, "top_p", None),
+    "n zero": (COMPLETIONS, {"model": MODEL, "prompt": "a", "n": 0}, 400, "n", None),
+    "max_tokens zero": (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
+    "logprobs too many": (COMPLETIONS, {"model": MODEL, "prompt": "a", "logprobs": 50}, 400, "logprobs", None),
+    "penalty out of range": (CHAT, {"model": MODEL, "messages": USER, "presence_penalty": 3}, 400,
+                             "presence_penalty", None),
+    "top_logprobs without logprobs": (CHAT, {"model": MODEL, "messages": USER, "top_logprobs": 2}, 400,
+                                      "top_logprobs", None),
+    "stream_options without stream": (CHAT, {"model": MODEL, "messages": USER,
+                                             "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    "unknown model": (CHAT, {"model": "gpt-17", "messages": USER}, 404, "model", "model_not_found"),
+    "bad role": (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+                 "messages[0].role", "invalid_role"),
+    "empty messages": (CHAT, {"model": MODEL, "messages": []}, 400, "messages", None),
+    "image content": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content", None),
+    "empty prompt": (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt", None),
+    "token id out of vocabulary": (COMPLETIONS, {"model": MODEL, "prompt": [1, 10 ** 9]}, 400, "prompt", None),
+    "prompt longer than the model": (COMPLETIONS, {"model": MODEL, "prompt": "hello " * 9000}, 400, "prompt",
+                                     "context_length_exceeded"),
+    "max_tokens past the context": (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400,
+                                    "max_tokens", "context_length_exceeded"),
+    "tools": (CHAT, {"model": MODEL, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools", None),
+    "body too large": (COMPLETIONS, {"model": MODEL, "prompt": "x" * (9 << 20)}, 413, None, "request_too_large"),
+}
+
+
+def post(url: str, body, stream: bool = False) -> requests.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(url, data=data, headers={"Content-Type": "application/json"}, timeout=300, stream=stream)
+
+
+def replica_stats(url: str) -> list[dict]:
+    reply = requests.get(f"{url}/stats", timeout=60).json()
+    assert reply["unreachable"] == 0
+    return reply["data"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_an_openai_error(tidal_server, case):
+    endpoint, body, status, param, code = CASES[case]
+    r = post(tidal_server + endpoint, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+
+
+def test_unknown_route_is_an_openai_404(tidal_server):
+    r = requests.get(f"{tidal_server}/v1/engines", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_sdk_raises_typed_errors_and_server_keeps_serving(tidal_server):
+    client = openai.OpenAI(base_url=f"{tidal_server}/v1", api_key="unused", timeout=300, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=USER)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="a", temperature=9)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model=MODEL, prompt="a", extra_body={"n": "two"})
+    with pytest.raises(openai.BadRequestError):   # also as a stream: refused before any byte is sent
+        list(client.completions.create(model=MODEL, prompt="hello " * 9000, stream=True))
+    out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, temperature=0)
+    assert out.choices[0].message.content and out.usage.completion_tokens <= 2
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(tidal_server):
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 4000, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with post(f"{tidal_server}{COMPLETIONS}", body, stream=True) as r:
+        assert r.status_code == 200
+        events = r.iter_lines(decode_unicode=True)
+        got = [line for line in (next(events) for _ in range(6)) if line.startswith("data: ")]
+        assert got
+        assert any(s["stats"]["num_running"] > 0 for s in replica_stats(tidal_server))
+    # The request would run for thousands of tokens; only an abort frees its blocks this soon.
+    deadline = time.monotonic() + 60
+    while True:
+        stats = [s["stats"] for s in replica_stats(tidal_server)]
+        if all(s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0 for s in stats):
+            break
+        assert time.monotonic() < deadline, f"blocks still in use after the client left: {stats}"
+        time.sleep(0.5)
+    assert all(s["kv_blocks_total"] > 0 for s in stats)
