@@ -1,21 +1,32 @@
 """`/metrics` for a standalone engine (no Ray): the same `tidal:` names, through prometheus_client.
 
-A daemon thread polls the engine once per `interval_s` and feeds a `StatsRecorder`; the HTTP
+A daemon thread polls the engine once per `interval_s` and feeds a `StatsRecorder`; an HTTP
 server serves the registry. Without Ray there is no relabelling: names are `tidal:<name>` as
-exported.
+exported. The server always answers in the classic text format: prometheus_client's OpenMetrics
+output, which Prometheus asks for first, rewrites the colon to `_` in sample names
+(prometheus/client_python#1177). `_created` samples are left out, as on the Ray path.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from cluster.metrics import METRICS, Kind, MetricSpec, StatsRecorder
 from replicas.stats import EngineStats, RequestTimings
 
 log = logging.getLogger(__name__)
+
+try:   # prometheus_client >= 0.22 escapes names unless told names may stay as they are
+    from prometheus_client.openmetrics.exposition import ALLOWUTF8
+    render_text = functools.partial(generate_latest, escaping=ALLOWUTF8)
+except ImportError:
+    render_text = generate_latest
 
 EngineStatsFn = Callable[[], tuple[EngineStats, Sequence[RequestTimings]]]
 
@@ -48,6 +59,39 @@ class PrometheusClientSink:
             child.observe(v)
 
 
+class WithoutCreated:
+    """A registry's metric families minus their `_created` samples (creation timestamps)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+def metrics_handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
+    view = WithoutCreated(registry)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = render_text(view)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):   # no line per scrape on stderr
+            pass
+
+    return Handler
+
+
 class MetricsServer:
     """Polls `engine_stats_fn` into a registry served over HTTP; `stop()` ends both."""
 
@@ -58,15 +102,17 @@ class MetricsServer:
         self.registry = registry
         self.interval_s = interval_s
         self.port = 0
-        self._httpd = None
+        self._httpd: ThreadingHTTPServer | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tidal-metrics-poll", daemon=True)
 
     def start(self, port: int, addr: str) -> None:
         self.poll()
-        self._httpd, _ = start_http_server(port, addr=addr, registry=self.registry)
+        self._httpd = ThreadingHTTPServer((addr, port), metrics_handler(self.registry))
+        self._httpd.daemon_threads = True
         self.port = self._httpd.server_port
+        threading.Thread(target=self._httpd.serve_forever, name="tidal-metrics-http", daemon=True).start()
         self._thread.start()
 
     def poll(self) -> None:
