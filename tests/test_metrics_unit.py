@@ -258,3 +258,9 @@ def test_dashboards_have_variables_uids_and_known_metrics():
                 assert used and used <= known, (p["title"], used - known)
                 assert '$model_name' in t["expr"] and '$replica' in t["expr"]
     assert len(uids) == len(dashboards.DASHBOARDS)
+
+
+def test_observability_doc_lists_every_metric():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
+    missing = [spec.exported_name for spec in METRICS.values() if f"`{spec.exported_name}`" not in doc]
+    assert not missing, f"docs/observability.md lacks {missing}"
