@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime
-from functools import cached_property
+from functools import lru_cache
 from typing import Any, Optional
 
 import jinja2
@@ -77,13 +77,15 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _chat_environment() -> ImmutableSandboxedEnvironment:
+@lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A template compiled the way HF does: sandboxed, trim_blocks/lstrip_blocks, HF's helpers."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+    return env.from_string(source)
 
 
 def _check_messages(messages) -> list[dict]:
@@ -132,8 +134,9 @@ class Tokenizer:
         # Whether plain encoding starts with BOS (HF: the post-processor adds it).
         self.adds_bos = self.bos_token_id is not None and backend.encode("a").ids[:1] == [self.bos_token_id]
 
-    def __getstate__(self):   # the compiled jinja environment does not pickle; it is rebuilt on demand
-        return {k: v for k, v in self.__dict__.items() if k != "_environment"}
+    @property
+    def chat_template(self) -> Optional[str]:
+        return self.chat_templates.get("default")
 
     # ---- construction -------------------------------------------------------------------------------
     @staticmethod
@@ -193,10 +196,8 @@ class Tokenizer:
         for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
             value = config.get(name)
             special[name] = value.get("content") if isinstance(value, dict) else value
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            bos = special["bos_token"] if config.get("add_bos_token") else None
-            eos = special["eos_token"] if config.get("add_eos_token") else None
-            backend.post_processor = _special_template(bos, eos, backend.get_vocab(with_added_tokens=True))
+        # Like transformers 5: with a tokenizer.json, its post-processor alone decides BOS/EOS; the
+        # add_bos_token/add_eos_token flags of tokenizer_config.json are ignored.
         template: Any = config.get("chat_template")
         if isinstance(template, list):
             template = {t["name"]: t["template"] for t in template}
@@ -222,16 +223,12 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     # ---- chat -----------------------------------------------------------------------------------------
-    @cached_property
-    def _environment(self) -> ImmutableSandboxedEnvironment:
-        return _chat_environment()
-
     def _template(self, tools) -> jinja2.Template:
         if not self.chat_templates:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
         name = "tool_use" if tools and "tool_use" in self.chat_templates else "default"
         source = self.chat_templates.get(name) or next(iter(self.chat_templates.values()))
-        return self._environment.from_string(source)
+        return compile_chat_template(source)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kw) -> str:
         checked = _check_messages(messages)

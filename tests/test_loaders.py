@@ -29,18 +29,22 @@ def _assert_state_dicts_equal(ours: dict, theirs: dict, tied: bool):
         assert torch.equal(tensor, theirs[name]), name
 
 
-def test_smollm2_gguf_state_dict_equals_transformers():
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_checkpoint(None)
+
+
+def test_smollm2_gguf_state_dict_equals_transformers(smollm2):
     path = default_model_path()
-    ckpt = load_checkpoint(None)
-    assert ckpt.path == path
-    ours = dict(ckpt.weights())
+    assert smollm2.path == path
+    ours = dict(smollm2.weights())
     theirs = _hf_state_dict(os.path.dirname(path), os.path.basename(path))
     _assert_state_dicts_equal(ours, theirs, tied=True)
     assert all(t.dtype == torch.float32 for t in ours.values())
 
 
-def test_smollm2_config():
-    ckpt = load_checkpoint(default_model_path())
+def test_smollm2_config(smollm2):
+    ckpt = smollm2
     mc = ckpt.model_config
     assert (mc.architecture, mc.num_hidden_layers, mc.hidden_size, mc.intermediate_size) == ("llama", 30, 576, 1536)
     assert (mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.vocab_size) == (9, 3, 64, 49152)

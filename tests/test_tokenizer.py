@@ -1,5 +1,6 @@
 """Tokenizer parity with HF transformers: SmolLM2's GGUF tokenizer and the tiny HF folders."""
 import copy
+import json
 import os
 
 import gguf
@@ -133,6 +134,18 @@ def test_tiny_llama_bos_written_once(tmp_path):
     # generation_config's EOS ids join the tokenizer's own
     assert set(tok.eos_token_ids) == {tok.token_to_id("<|eot_id|>"), tok.token_to_id("<|end_of_text|>")}
     assert tok.eos_token_ids[0] == tok.token_to_id("<|eot_id|>")
+
+
+@pytest.mark.parametrize("make", [make_tiny_llama, make_tiny_qwen3])
+def test_tokenizer_json_post_processor_overrides_config_flags_like_transformers(tmp_path, make):
+    folder = make(tmp_path)
+    config_file = os.path.join(folder, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config.update(add_bos_token=make is make_tiny_qwen3, add_eos_token=True)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    assert Tokenizer.from_hf_folder(folder).encode("hi there") == _hf_tokenizer(folder)("hi there")["input_ids"]
 
 
 def test_tiny_qwen3_plain_added_tokens_survive_skip(tmp_path):
