@@ -3,7 +3,8 @@
 Each update decodes only a small window of tokens: from `prefix_offset` (a few tokens of context already
 turned into text, so that merges and leading spaces come out right) to the end, and emits what the window
 adds beyond its already-read part (`prefix_offset:read_offset`). Text ending in U+FFFD means a character
-is still split across tokens, so it waits for the next token.
+is still split across tokens: the text before it goes out, the character waits for the next token.
+Stop strings: a tail that could still grow into one is held back; a match cuts the text there.
 """
 from __future__ import annotations
 

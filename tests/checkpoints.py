@@ -91,6 +91,11 @@ def _write_json(path: str, obj: dict):
         json.dump(obj, f, indent=2, ensure_ascii=False)
 
 
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _random_weights(cfg: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
@@ -217,10 +222,8 @@ def make_tiny_gguf(path, arch: str = "llama", qtype: str = "F32", **overrides) -
     from safetensors.torch import load_file
 
     folder = {"llama": make_tiny_llama, "qwen3": make_tiny_qwen3}[arch](str(path) + ".hf", **overrides)
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    tok_json = json.load(open(os.path.join(folder, "tokenizer.json"), encoding="utf-8"))
-    tok_config = json.load(open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8"))
+    cfg, tok_json, tok_config = (_read_json(os.path.join(folder, name))
+                                 for name in ("config.json", "tokenizer.json", "tokenizer_config.json"))
     vocab = dict(tok_json["model"]["vocab"])
     added = {t["content"]: t for t in tok_json["added_tokens"]}
     vocab.update({t: a["id"] for t, a in added.items()})

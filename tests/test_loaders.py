@@ -151,9 +151,12 @@ def test_clear_errors(tmp_path, monkeypatch):
         load_checkpoint(str(two))
 
     folder = make_tiny_llama(tmp_path / "gpt2")
-    cfg = json.loads(open(os.path.join(folder, "config.json")).read())
+    config_file = os.path.join(folder, "config.json")
+    with open(config_file) as f:
+        cfg = json.load(f)
     cfg["model_type"] = "gpt2"
-    open(os.path.join(folder, "config.json"), "w").write(json.dumps(cfg))
+    with open(config_file, "w") as f:
+        json.dump(cfg, f)
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
         load_checkpoint(folder)
 
