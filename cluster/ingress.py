@@ -70,8 +70,12 @@ def _sse(payload: dict) -> str:
 
 
 def _cancel_all(streams: list[DeploymentResponseGenerator]) -> None:
+    """Abort calls still running (client gone, sibling prompt failed)."""
     for s in streams:
-        s.cancel()
+        try:
+            s.cancel()
+        except Exception:  # cancel() re-raises a refused call's error (e.g. BackPressureError): nothing to abort
+            pass
 
 
 async def _merge(streams: list[DeploymentResponseGenerator]) -> AsyncIterator[tuple[int, list]]:
@@ -197,11 +201,14 @@ class OpenAIIngress:
         if stream:
             return StreamingResponse(self._sse(streams, builder), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        done = False
         try:
             async for job_index, deltas in _merge(streams):
                 builder.add(job_index, deltas)
+            done = True
         finally:
-            _cancel_all(streams)
+            if not done:
+                _cancel_all(streams)
         return JSONResponse(builder.final())
 
     async def _start(self, jobs: list[GenerationJob], builder: ResponseBuilder) -> list[DeploymentResponseGenerator]:
@@ -221,17 +228,20 @@ class OpenAIIngress:
         return streams
 
     async def _sse(self, streams: list[DeploymentResponseGenerator], builder: ResponseBuilder) -> AsyncIterator[str]:
+        done = False
         try:
             for chunk in builder.opening_chunks():
                 yield _sse(chunk)
             async for job_index, deltas in _merge(streams):
                 for chunk in builder.add(job_index, deltas):
                     yield _sse(chunk)
+            done = True
             usage = builder.usage_chunk()
             if usage is not None:
                 yield _sse(usage)
         except Exception as e:  # the replica died mid-stream: tell the client in-band
             yield _sse(_as_openai_error(e).body())
         finally:
-            _cancel_all(streams)
+            if not done:
+                _cancel_all(streams)
         yield "data: [DONE]\n\n"

@@ -75,7 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if not serving.is_set():
             raise KeyboardInterrupt  # still deploying: unwind through the cleanup below
 
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     joined = bool(os.environ.get("RAY_ADDRESS"))
     try:
         if joined:
@@ -83,6 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(ranks * cpus_per_rank)),
                      include_dashboard=False, _metrics_export_port=args.metrics_port)
+        # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process.
+        for s in old_handlers:
+            signal.signal(s, on_signal)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"

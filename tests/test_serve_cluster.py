@@ -1,0 +1,134 @@
+"""The cluster as a whole: 32 concurrent streams equal offline greedy, both replicas take load, a TP=2
+replica (gloo ranks as Ray actors) equals TP=1, API keys, backpressure as an OpenAI 503, clean SIGTERM.
+
+The TP=2 server runs a tiny random Llama (SmolLM2's 9 heads do not split in two)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 8
+PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" if i % 2 else f"A short poem about the number {i}:"
+           for i in range(32)]
+API_KEY = "tidal-test-key"
+TINY = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def offline_greedy() -> list[str]:
+    """TP=1 greedy texts from the offline engine in this process."""
+    from replicas import LLM, SamplingParams
+    llm = LLM(device="cpu")
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from checkpoints import make_tiny_llama
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1_greedy(tiny_llama) -> list[str]:
+    from replicas import LLM, SamplingParams
+    llm = LLM(model=tiny_llama, device="cpu")
+    try:
+        outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tidal_server_factory, tiny_llama):
+    return tidal_server_factory("--model", tiny_llama, "--served-model-name", TINY, "--tp", "2", "--replicas", "1",
+                                "--api-key", API_KEY, "--max-ongoing-requests", "2", "--max-queued-requests", "1")
+
+
+def finished_per_replica(url: str, headers=None) -> dict[str, int]:
+    reply = requests.get(f"{url}/stats", headers=headers, timeout=60).json()
+    return {r["replica_id"]: r["stats"]["requests_finished"] for r in reply["data"]}
+
+
+def stream_completion(client, prompt: str) -> tuple[str, str]:
+    text, finish = [], None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True):
+        text.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+def test_32_concurrent_streams_equal_offline_greedy_on_two_replicas(tidal_server, offline_greedy):
+    client = openai.OpenAI(base_url=f"{tidal_server}/v1", api_key="unused", timeout=600, max_retries=0)
+    before = finished_per_replica(tidal_server)
+    assert len(before) == 2
+    with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: stream_completion(client, p), PROMPTS))
+    assert [text for text, _ in results] == offline_greedy
+    assert all(finish in ("stop", "length") for _, finish in results)
+    after = finished_per_replica(tidal_server)
+    served = {rid: after[rid] - before[rid] for rid in before}
+    assert sum(served.values()) >= len(PROMPTS) and all(n > 0 for n in served.values()), served
+
+
+def test_tp2_replica_equals_tp1_greedy(tp2_server, tiny_tp1_greedy):
+    client = openai.OpenAI(base_url=f"{tp2_server.url}/v1", api_key=API_KEY, timeout=600, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [TINY]
+    texts = [client.completions.create(model=TINY, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS[:4]]
+    assert texts == tiny_tp1_greedy
+
+
+def test_api_key_is_enforced(tp2_server):
+    url = f"{tp2_server.url}/v1/chat/completions"
+    body = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = requests.post(url, json=body, headers=headers, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(f"{tp2_server.url}/v1/models", timeout=60).status_code == 401
+    assert requests.get(f"{tp2_server.url}/health", timeout=60).status_code == 200
+    r = requests.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_overload_is_an_openai_503_and_the_server_recovers(tp2_server):
+    """max_ongoing_requests=2, max_queued_requests=1: of 8 simultaneous long streams some must be refused."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": TINY, "prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def attempt(_):
+        with requests.post(f"{tp2_server.url}/v1/completions", json=body, headers=headers, stream=True,
+                           timeout=600) as r:
+            if r.status_code != 200:
+                return r.status_code, (r.json() if r.headers.get("content-type") == "application/json" else r.text)
+            lines = [line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+            return 200, lines[-1]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(attempt, range(8)))
+    refused = [body for status, body in results if status == 503]
+    served = [last for status, last in results if status == 200]
+    assert len(refused) + len(served) == 8, results
+    assert refused and served, results
+    assert all(b["error"]["code"] == "overloaded" and b["error"]["type"] == "server_error" for b in refused)
+    assert all(last == "data: [DONE]" for last in served)
+    r = requests.post(f"{tp2_server.url}/v1/completions", headers=headers, timeout=300,
+                      json={"model": TINY, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    stats = requests.get(f"{tp2_server.url}/stats", headers=headers, timeout=60).json()["data"]
+    assert [s["stats"]["kv_blocks_used"] for s in stats] == [0]
+
+
+def test_sigterm_drains_and_exits_cleanly(tp2_server):
+    assert tp2_server.stop() == 0, tp2_server.log_tail()
+    assert "tidal: shutting down" in tp2_server.log_path.read_text(errors="replace")
