@@ -139,28 +139,44 @@ class TreeRound:
         return self.root_state is not None
 
 
+def top_candidates(logits: Tensor, m: int) -> Tensor:
+    """Indices of the m largest logits [.., V] (float32), best first, ties to the lower index: a topk over unique
+    int64 keys (order-preserving float bits, then the index), so the result never depends on the batch shape."""
+    bits = logits.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    v = logits.shape[-1]
+    return torch.topk(ordered * (1 << 24) + (v - 1 - torch.arange(v, device=logits.device)), m, dim=-1).indices
+
+
+def gate_table(head, embed_weight: Tensor) -> Tensor:
+    """[V, 3G] = W_ih embed(v) for every token: the GRU input gates, one GEMM of a batch-independent shape.
+    Depends only on weights; a serving builder computes it once."""
+    return embed_weight.detach().float() @ head.gru.weight_ih_l0.detach().float().t()
+
+
 @torch.no_grad()
 def prepare_round(head, hidden: Tensor, base_logits: Tensor, root_ids: Tensor, embed_weight: Tensor,
-                  cfg: TreeConfig) -> TreeRound:
+                  cfg: TreeConfig, gates: Optional[Tensor] = None) -> TreeRound:
     """head: speculative.drafter.DominoHead; hidden [B, S, H] and base_logits [B, S, V] from one draft block;
-    root_ids [B]; embed_weight [V, H] the target's. Computes in float32 whatever the model dtype."""
+    root_ids [B]; embed_weight [V, H] the target's; gates: `gate_table` if cached. float32 throughout. Each
+    request's TreeRound rows depend only on that request's inputs (padding a batch changes no bit)."""
     d = min(cfg.max_depth, base_logits.shape[1])
     base = base_logits[:, :d].detach().float()
-    base_cand, cand_ids = base.topk(min(cfg.candidates, base.shape[-1]), dim=-1)
-    base_logp = base_cand - base.logsumexp(-1, keepdim=True)
+    cand_ids = top_candidates(base, min(cfg.candidates, base.shape[-1]))
+    base_cand = base.gather(-1, cand_ids)
+    top = base.amax(-1, keepdim=True)
+    base_logp = base_cand - (top + torch.log(pairwise_sum(torch.exp(base - top)))[..., None])
     if not cfg.corrected:
         return TreeRound(cand_ids, base_logp)
-    w_ih = head.gru.weight_ih_l0.detach().float()
+    gates = gate_table(head, embed_weight) if gates is None else gates
     w_hh = head.gru.weight_hh_l0.detach().float()
     w1 = head.w1.weight.detach().float()
-    h = hidden.shape[-1]
-    embed_weight = embed_weight.detach()
-    gate_in = embed_weight[cand_ids].float() @ w_ih.t()
-    root_in = embed_weight[root_ids].float() @ w_ih.t()
-    zero = torch.zeros(root_ids.shape[0], w_hh.shape[1], device=root_in.device)
-    root_state = gru_step(root_in, torch.zeros_like(root_in), zero)
-    return TreeRound(cand_ids, base_logp, base_cand, hidden[:, :d].detach().float() @ w1[:, :h].t(),
-                     head.w2.weight.detach().float()[cand_ids], gate_in, root_state, w_hh, w1[:, h:].contiguous())
+    b, h = root_ids.shape[0], hidden.shape[-1]
+    root_in = gates[root_ids]
+    root_state = gru_step(root_in, torch.zeros_like(root_in), torch.zeros(b, w_hh.shape[1], device=gates.device))
+    zproj = rowdot(hidden[:, :d].detach().float().reshape(b * d, h), w1[:, :h]).view(b, d, -1)
+    return TreeRound(cand_ids, base_logp, base_cand, zproj, head.w2.weight.detach().float()[cand_ids],
+                     gates[cand_ids], root_state, w_hh, w1[:, h:].contiguous())
 
 
 def child_logprobs(rnd: TreeRound, rows: Tensor, depth: int, states: Optional[Tensor], corrected: bool) -> Tensor:

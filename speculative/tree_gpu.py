@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speculative.tree import (DraftTree, TreeConfig, TreeRound, child_logprobs, child_states, hidden_gates,
-                              prepare_round, top_children)
+from speculative.tree import (DraftTree, TreeConfig, TreeRound, child_logprobs, child_states, gate_table,
+                              hidden_gates, prepare_round, top_children)
 
 NEG_INF = float("-inf")
 
@@ -91,8 +91,10 @@ def _pick_from_ledger(score: Tensor, parent_lane: Tensor, token: Tensor, budget:
 class GraphTreeBuilder:
     """prepare_round + build_frontier for one draft block, replayed from a CUDA graph per batch-size bucket.
 
-    Inputs are copied into static buffers (rows past the batch keep stale data: requests never mix), the bucket's
-    graph replays, and the outputs are cloned. Off CUDA, or for a batch above the largest bucket, it runs eagerly.
+    Inputs are copied into static buffers (rows past the batch keep stale data: requests never mix, and every
+    row's computation is batch-invariant, so padding changes no bit), the bucket's graph replays, and the outputs
+    are cloned. Off CUDA, or for a batch above the largest bucket, it runs eagerly. The gate table is computed
+    once here; recreate the builder if the drafter's weights change.
     """
 
     def __init__(self, head, embed_weight: Tensor, cfg: TreeConfig, block_size: int, vocab_size: int,
@@ -100,6 +102,7 @@ class GraphTreeBuilder:
                  use_graphs: Optional[bool] = None):
         self.head, self.embed_weight, self.cfg = head, embed_weight, cfg
         self.device = embed_weight.device
+        self.gates = gate_table(head, embed_weight) if cfg.corrected else None
         self.buckets = sorted(set(batch_sizes))
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         top = self.buckets[-1]
@@ -112,7 +115,7 @@ class GraphTreeBuilder:
 
     def _body(self, bs: int) -> DraftTree:
         rnd = prepare_round(self.head, self.hidden[:bs], self.base_logits[:bs], self.root_ids[:bs],
-                            self.embed_weight, self.cfg)
+                            self.embed_weight, self.cfg, self.gates)
         return build_frontier(rnd, self.cfg)
 
     @torch.no_grad()
@@ -136,7 +139,7 @@ class GraphTreeBuilder:
         b = root_ids.shape[0]
         bucket = next((bs for bs in self.buckets if bs >= b), None)
         if not self.use_graphs or bucket is None:
-            rnd = prepare_round(self.head, hidden, base_logits, root_ids, self.embed_weight, self.cfg)
+            rnd = prepare_round(self.head, hidden, base_logits, root_ids, self.embed_weight, self.cfg, self.gates)
             return build_frontier(rnd, self.cfg)
         self.hidden[:b].copy_(hidden)
         self.base_logits[:b].copy_(base_logits)

@@ -8,8 +8,8 @@ import torch
 
 from speculative.baselines import make_builder
 from speculative.drafter import DominoHead, DrafterConfig
-from speculative.tree import (DraftTree, TreeConfig, child_logprobs, child_states, hidden_gates, pairwise_sum,
-                              prepare_round, rowdot, top_children)
+from speculative.tree import (DraftTree, TreeConfig, TreeRound, child_logprobs, child_states, hidden_gates,
+                              pairwise_sum, prepare_round, rowdot, top_candidates, top_children)
 from speculative.tree_gpu import GraphTreeBuilder, build_frontier
 from speculative.tree_reference import build_reference
 
@@ -92,6 +92,30 @@ def test_scoring_rows_are_batch_invariant():
     for i in range(rows.shape[0]):
         assert torch.equal(child_logprobs(rnd, rows[i:i + 1], 2, states[i:i + 1], True)[0], logp[i])
         assert torch.equal(hidden_gates(rnd, states[i:i + 1])[0], gates[i])
+
+
+def test_round_inputs_do_not_depend_on_the_batch():
+    """A request's TreeRound rows are the same bits alone, in a batch, or padded (graph buckets)."""
+    head, hidden, base, roots, embed, tc = random_round(4, ties=True, budget=16, node_topk=8, candidates=16,
+                                                        max_depth=8)
+    extra = torch.randn(7, *hidden.shape[1:]), torch.randn(7, *base.shape[1:]), torch.randint(0, base.shape[2], (7,))
+    padded = prepare_round(head, torch.cat([hidden, extra[0]]), torch.cat([base, extra[1]]),
+                           torch.cat([roots, extra[2]]), embed, tc)
+    batched = prepare_round(head, hidden, base, roots, embed, tc)
+    for i in range(roots.shape[0]):
+        alone = prepare_round(head, hidden[i:i + 1], base[i:i + 1], roots[i:i + 1], embed, tc)
+        for field in TreeRound.__dataclass_fields__:
+            a, b, c = getattr(alone, field), getattr(batched, field), getattr(padded, field)
+            if field in ("w_hh", "w1_state"):
+                continue
+            assert torch.equal(a[0], b[i]) and torch.equal(a[0], c[i]), field
+
+
+def test_candidates_are_the_top_logits_ties_to_the_lower_index():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 2.0, 0.5, -0.0, 0.0, 7.0]])
+    assert top_candidates(logits, 6).tolist() == [[7, 1, 3, 0, 4, 6]]
+    x = torch.randn(50, 300).round() + 0.0                          # + 0.0: no -0.0, which ranks below +0.0
+    assert torch.equal(top_candidates(x, 40), torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :40])
 
 
 def test_scoring_matches_the_domino_head_modules():
