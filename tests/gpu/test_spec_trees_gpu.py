@@ -1,0 +1,118 @@
+"""DominoTree on CUDA: the batched frontier builder against the reference heap (1,200 random cases, ties
+included, plus SmolLM2-sized rounds in bf16), CUDA-graph replay per batch bucket against the reference on the
+unpadded batch, and no host synchronisation in the eager round path (prepare, build, mask, accept)."""
+import random
+
+import pytest
+import torch
+
+from speculative.acceptance import accept
+from speculative.drafter import DominoHead, DrafterConfig
+from speculative.tree import DraftTree, TreeConfig, prepare_round
+from speculative.tree_gpu import GraphTreeBuilder, build_frontier
+from speculative.tree_reference import build_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = "cuda"
+
+
+def head_for(v, h, gru, rank, seed, scale=1.0, dtype=torch.float32) -> DominoHead:
+    cfg = DrafterConfig(vocab_size=v, hidden_size=h, intermediate_size=32, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=8, target_layer_ids=(0,), gru_hidden=gru, correction_rank=rank)
+    head = DominoHead(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for p in head.parameters():
+        p.data = torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5 * 4
+    return head.to(DEV, dtype)
+
+
+def random_case(seed: int):
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    ties = seed % 4 == 0
+    v, h, gru, rank, s = rng.choice([64, 97, 300]), rng.choice([16, 32]), rng.choice([8, 32, 64]), \
+        rng.choice([4, 16]), rng.choice([4, 8, 16])
+    head = head_for(v, h, gru, rank, seed, rng.choice([0.3, 1.0, 3.0]))
+    if ties:
+        for p in head.parameters():
+            p.data = p.data.round() * rng.choice([0.0, 0.5])
+    b = rng.choice([1, 4, 8])
+    hidden = torch.randn(b, s, h, generator=g).to(DEV)
+    base = (torch.randn(b, s, v, generator=g) * rng.choice([1.0, 3.0])).to(DEV)
+    if ties:
+        base = base.round() + 0.0
+    embed = torch.randn(v, h, generator=g).to(DEV)
+    roots = torch.randint(0, v, (b,), generator=g).to(DEV)
+    tc = TreeConfig(budget=rng.choice([1, 6, 16, 32]), node_topk=rng.choice([1, 2, 4, 8]),
+                    candidates=rng.choice([8, 32, 64]), max_depth=rng.choice([2, s]),
+                    uncorrected_depths=rng.choice([0, 1, 2]), corrected=seed % 6 != 0)
+    return head, hidden, base, roots, embed, tc
+
+
+def assert_same(a: DraftTree, b: DraftTree, msg):
+    for field in ("tokens", "parents", "depths", "valid", "scores"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), (msg, field)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_frontier_is_bit_identical_to_reference_on_cuda(chunk):
+    for seed in range(300 * chunk, 300 * chunk + 300):
+        head, hidden, base, roots, embed, tc = random_case(seed)
+        rnd = prepare_round(head, hidden, base, roots, embed, tc)
+        assert_same(build_reference(rnd, tc), build_frontier(rnd, tc), (seed, tc))
+
+
+def smollm_round(seed: int, b: int):
+    """SmolLM2-sized round: V 49152, H 576, GRU 192, rank 64, bf16 drafter outputs."""
+    g = torch.Generator().manual_seed(seed)
+    head = head_for(49152, 576, 192, 64, seed)
+    hidden = torch.randn(b, 16, 576, generator=g).to(DEV, torch.bfloat16)
+    base = (torch.randn(b, 16, 49152, generator=g) * 4).to(DEV, torch.bfloat16)   # bf16: many exact ties
+    embed = (torch.randn(49152, 576, generator=g) * 0.05).to(DEV)
+    roots = torch.randint(0, 49152, (b,), generator=g).to(DEV)
+    return head, hidden, base, roots, embed
+
+
+def test_smollm_sized_rounds_match_reference():
+    tc = TreeConfig()
+    for seed in range(12):
+        head, hidden, base, roots, embed = smollm_round(seed, 8)
+        rnd = prepare_round(head, hidden, base, roots, embed, tc)
+        tree = build_frontier(rnd, tc)
+        assert_same(build_reference(rnd, tc), tree, seed)
+        assert tree.num_nodes.tolist() == [16] * 8
+
+
+def test_graph_replay_per_bucket_matches_reference_on_the_unpadded_batch():
+    tc = TreeConfig()
+    head, _, _, _, embed = smollm_round(0, 1)
+    builder = GraphTreeBuilder(head, embed, tc, block_size=16, vocab_size=49152, hidden_size=576,
+                               dtype=torch.bfloat16, batch_sizes=(1, 4, 8))
+    assert builder.use_graphs and sorted(builder.graphs) == [1, 4, 8]
+    for seed, b in enumerate([1, 3, 8, 2, 8, 5]):
+        _, hidden, base, roots, _ = smollm_round(100 + seed, b)
+        head_round = prepare_round(head, hidden, base, roots, embed, tc)
+        assert_same(build_reference(head_round, tc), builder.build(hidden, base, roots), (seed, b))
+    _, hidden, base, roots, _ = smollm_round(999, 9)                      # above the largest bucket: eager
+    assert_same(build_frontier(prepare_round(head, hidden, base, roots, embed, tc), tc),
+                builder.build(hidden, base, roots), "eager")
+
+
+def test_round_path_never_synchronises_with_the_host():
+    tc = TreeConfig()
+    head, hidden, base, roots, embed = smollm_round(7, 8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rnd = prepare_round(head, hidden, base, roots, embed, tc)
+        tree = build_frontier(rnd, tc)
+        mask = tree.tree_attention_mask()
+        offsets = tree.position_offsets()
+        logits = torch.randn(8, 17, 49152, device=DEV)
+        out = accept(tree, logits)
+        gumbel = lambda x: (x - torch.log(-torch.log(torch.rand_like(x).clamp(min=1e-10)))).argmax(-1)
+        sampled = accept(tree, logits, gumbel)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert mask.shape == (8, 17, 17) and offsets.shape == (8, 17)
+    assert (out.num_emitted >= 1).all() and (sampled.num_emitted >= 1).all()
