@@ -215,7 +215,8 @@ class DominoHead(nn.Module):
     def path_states(self, path_embeds: Tensor) -> Tensor:
         """path_embeds [N, S, H] = embeddings of (root, t_1, .., t_{S-1}) -> states [N, S, G]; state k has read
         root + k path tokens, which is what slot k's correction conditions on."""
-        return self.gru(path_embeds)[0]
+        with torch.autocast(path_embeds.device.type, enabled=False):     # the GRU runs in its weights' dtype
+            return self.gru(path_embeds.to(self.gru.weight_ih_l0.dtype))[0]
 
     def correction(self, hidden: Tensor, states: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(torch.cat([hidden, states.to(hidden.dtype)], dim=-1))))

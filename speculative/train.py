@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import random
 import resource
 import time
 from dataclasses import asdict, dataclass
@@ -229,7 +228,7 @@ def load_hf_target(path: Optional[str], layer_ids: tuple[int, ...], device, dtyp
         path = os.path.join(folder, next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf")))
     kwargs = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
     folder = os.path.dirname(path) if path.endswith(".gguf") else path
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, **kwargs).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device)
     return HFTarget(model, layer_ids), model.config.to_dict()
 
 

@@ -84,7 +84,8 @@ def generate(rule, seed: int) -> torch.Tensor:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     table, budget = markov_table(), 6
     library = random_trees(rng, 16, budget)
-    stacked = {f: torch.cat([getattr(t, f) for t in library]) for f in ("tokens", "parents", "depths", "scores", "valid")}
+    fields = ("tokens", "parents", "depths", "scores", "valid")
+    stacked = {f: torch.cat([getattr(t, f) for t in library]) for f in fields}
     out = torch.full((TRIALS, TOKENS), -1, dtype=torch.long)
     filled = torch.zeros(TRIALS, dtype=torch.long)
     last = torch.zeros(TRIALS, dtype=torch.long)

@@ -8,7 +8,7 @@ import torch
 
 from speculative.acceptance import accept
 from speculative.drafter import DominoDrafter, DraftContext, DrafterConfig, evenly_spaced_layers
-from speculative.train import HFTarget, TrainConfig, Trainer, block_losses, step_flops, training_mask
+from speculative.train import HFTarget, TrainConfig, Trainer, step_flops, training_mask
 from speculative.train_data import (PairBatcher, TrainBatch, in_heldout, iter_sharegpt, make_batch, read_pairs,
                                     write_pairs)
 from speculative.tree import TreeConfig, prepare_round
@@ -44,7 +44,8 @@ def test_layer_choice_and_config_for_a_target():
     qwen8b = ModelConfig(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          max_position_embeddings=40960)
-    assert (DrafterConfig.for_target(qwen8b).gru_hidden, DrafterConfig.for_target(qwen8b).correction_rank) == (1024, 256)
+    big = DrafterConfig.for_target(qwen8b)
+    assert (big.gru_hidden, big.correction_rank) == (1024, 256)
     assert DrafterConfig.from_json(cfg.to_json()) == cfg
 
 
@@ -185,7 +186,7 @@ def test_copy_task_alignment_perfect_drafter_accepts_whole_blocks(tmp_path):
 def test_training_smoke_on_a_tiny_random_target_resumes(tmp_path):
     from transformers import AutoModelForCausalLM
     from checkpoints import make_tiny_llama
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama(tmp_path / "target"), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama(tmp_path / "target"), dtype=torch.float32)
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, vocab, (24, 12), generator=g)

@@ -1,6 +1,5 @@
 """DominoTree trees: structure and masks, the shared scoring math, reference heap vs batched frontier (bit-identical
 trees over hundreds of random cases, ties included), brute-force best-first order, and the baseline methods."""
-import itertools
 import random
 
 import pytest
