@@ -56,7 +56,7 @@ def walk(tree: DraftTree, choices: Tensor) -> Acceptance:
         want = choices.gather(1, cur[:, None])
         match = (parent_slot == cur[:, None]) & (tree.tokens == want) & alive[:, None]
         hit = match.any(1)
-        node = match.to(torch.int8).argmax(1)                            # siblings hold distinct tokens
+        node = match.long().argmax(1)                                    # siblings hold distinct tokens
         path[:, d] = torch.where(hit, node, -1)
         cur = torch.where(hit, node + 1, cur)
         alive = alive & hit
