@@ -111,7 +111,8 @@ async def _merge(streams: list[DeploymentResponseGenerator]) -> AsyncIterator[tu
             t.cancel()
 
 
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
+                  graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=120)
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, replicas: DeploymentHandle, api_key: Optional[str] = None,

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from dataclasses import asdict
 from typing import AsyncIterator, Optional, Union
 
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
@@ -72,6 +74,13 @@ class MetricsPump(threading.Thread):
         self.flush()
 
 
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # Serve's local testing mode has no replica context during __init__
+        return f"local-{uuid.uuid4().hex[:8]}"
+
+
 def _deltas(out: RequestOutput, reported: set[int]) -> list[ChoiceDelta]:
     """The new part of every choice in one engine output; a finish reason is sent once per choice."""
     deltas = []
@@ -103,7 +112,7 @@ def _failure(e: Exception, default_param: str) -> StreamFailure:
 )
 class LLMReplica:
     def __init__(self, engine_config: EngineConfig, cpus_per_rank: float = 1.0):
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.replica_id = _replica_id()
         self.launcher: Optional[RayRankLauncher] = None
         if engine_config.tensor_parallel_size > 1:
             self.launcher = RayRankLauncher(engine_config.device == "cuda", cpus_per_rank)

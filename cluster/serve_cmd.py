@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         serving.set()
         metrics = "" if joined else f", Prometheus metrics on :{args.metrics_port}"
         print(f"tidal: serving {model} at {url}/v1 ({args.replicas} replica(s) x TP{args.tp} on {device}"
-              f"{metrics}); Ctrl-C to stop", flush=True)
+              f"{metrics}, Ray at {ray.get_runtime_context().gcs_address}); Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             pass
         print("tidal: shutting down (draining in-flight requests)", flush=True)
@@ -119,9 +119,10 @@ def _cleanup(joined: bool) -> None:
     if not ray.is_initialized():
         return
     try:
-        if joined:
-            serve.delete(APP_NAME)
-        else:
+        # Deleting the app first lets its replicas drain in-flight requests (graceful_shutdown_timeout_s)
+        # while the HTTP proxies still carry them; serve.shutdown() alone kills the proxies at once.
+        serve.delete(APP_NAME)
+        if not joined:
             serve.shutdown()
     except Exception:
         logger.exception("stopping Serve failed")

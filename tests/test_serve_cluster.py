@@ -129,6 +129,103 @@ def test_overload_is_an_openai_503_and_the_server_recovers(tp2_server):
     assert [s["stats"]["kv_blocks_used"] for s in stats] == [0]
 
 
-def test_sigterm_drains_and_exits_cleanly(tp2_server):
+def test_sigterm_drains_in_flight_streams_and_exits_cleanly(tp2_server):
+    import json
+    import threading
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": TINY, "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    first_chunk, events = threading.Event(), []
+
+    def stream():
+        with requests.post(f"{tp2_server.url}/v1/completions", json=body, headers=headers, stream=True,
+                           timeout=600) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    first_chunk.set()
+        first_chunk.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first_chunk.wait(300)
     assert tp2_server.stop() == 0, tp2_server.log_tail()
+    client.join(60)
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "tidal: shutting down" in tp2_server.log_path.read_text(errors="replace")
+
+
+# ---- the replica class itself, outside Serve (tiny model, in this process) ---------------------
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama):
+    from cluster.replica import LLMReplica
+    from replicas.config import EngineConfig
+    r = LLMReplica.func_or_class(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
+    yield r
+    r.__del__()
+
+
+def run_job(replica, job, stop_after: int | None = None) -> list:
+    import asyncio
+
+    async def collect():
+        frames, stream = [], replica.generate(job)
+        async for frame in stream:
+            frames.append(frame)
+            if stop_after is not None and len(frames) >= stop_after:
+                await stream.aclose()
+                break
+        return frames
+    return asyncio.run(collect())
+
+
+def test_replica_streams_start_then_deltas(replica):
+    from cluster.protocol import ChoiceDelta, GenerationJob, StreamStart
+    from replicas.sampling_params import SamplingParams
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=1)
+    frames = run_job(replica, GenerationJob("unit-1", params, prompt="hello there"))
+    start, rest = frames[0], frames[1:]
+    assert isinstance(start, StreamStart) and start.replica_id == replica.replica_id
+    assert start.prompt_tokens == len(replica.engine.tokenizer.encode("hello there"))
+    deltas = [d for frame in rest for d in frame]
+    assert all(isinstance(d, ChoiceDelta) for d in deltas)
+    for index in (0, 1):
+        mine = [d for d in deltas if d.index == index]
+        assert sum(len(d.token_ids) for d in mine) == 4
+        assert [d.finish_reason for d in mine if d.finish_reason] == ["length"]   # reported once
+        assert all(len(d.logprobs) == len(d.token_ids) and all(t in lp for t, lp in zip(d.token_ids, d.logprobs))
+                   for d in mine if d.token_ids)
+
+
+def test_replica_refuses_bad_prompts_with_a_failure_frame(replica):
+    from cluster.protocol import GenerationJob, StreamFailure
+    from replicas.sampling_params import SamplingParams
+    too_long = run_job(replica, GenerationJob("unit-2", SamplingParams(max_tokens=1), prompt=[5] * 600))
+    assert len(too_long) == 1 and isinstance(too_long[0], StreamFailure)
+    assert (too_long[0].status, too_long[0].param, too_long[0].code) == (400, "prompt", "context_length_exceeded")
+    bad_chat = run_job(replica, GenerationJob("unit-3", SamplingParams(max_tokens=1),
+                                              messages=[{"role": "user", "content": None}]))
+    assert len(bad_chat) == 1 and (bad_chat[0].status, bad_chat[0].param) == (400, "messages")
+
+
+def test_replica_reconfigure_stats_abort_and_health(replica):
+    import time
+
+    from cluster.protocol import GenerationJob
+    from replicas.sampling_params import SamplingParams
+    applied = replica.reconfigure({"max_num_batched_tokens": 256})
+    assert applied["max_num_batched_tokens"] == 256 and replica.engine.stats().max_num_batched_tokens == 256
+    with pytest.raises(ValueError, match="unknown knobs"):
+        replica.reconfigure({"max_batch": 3})
+    replica.check_health()
+    # Closing the stream early (what a client disconnect does) aborts the request and frees its blocks.
+    frames = run_job(replica, GenerationJob("unit-4", SamplingParams(max_tokens=400, ignore_eos=True), prompt="go"),
+                     stop_after=3)
+    assert len(frames) == 3
+    deadline = time.monotonic() + 30
+    while replica.engine.stats().kv_blocks_used or replica.engine.stats().num_running:
+        assert time.monotonic() < deadline, replica.engine.stats()
+        time.sleep(0.05)
