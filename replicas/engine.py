@@ -75,7 +75,7 @@ class LLMEngine:
             raise RequestError("request_id", f"request id {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
+        if not ids or text == "":
             raise RequestError("prompt", "the prompt is empty", "empty_prompt")
         if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in ids):
             raise RequestError("prompt", "prompt token ids must be integers in [0, vocab_size)")

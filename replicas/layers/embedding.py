@@ -5,16 +5,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.distributed.parallel_state import get_tp_group, tp_rank, tp_size
+from replicas.distributed.parallel_state import get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        tp = tp_size()
+        self.tp = get_tp_group()       # bound at construction: several engines may share a process
+        tp = self.tp.world_size
         self.vocab_size = vocab_size
         self.shard_size = (vocab_size + tp - 1) // tp
-        self.vocab_start = tp_rank() * self.shard_size
+        self.vocab_start = self.tp.rank * self.shard_size
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -23,12 +24,12 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: part.shape[0]].copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if self.tp.world_size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         valid = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * valid.unsqueeze(-1).to(self.weight.dtype)
-        return get_tp_group().all_reduce(y)
+        return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -36,7 +37,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = F.linear(hidden, self.weight)
-        if tp_size() == 1:
+        if self.tp.world_size == 1:
             return logits
-        full = get_tp_group().gather_to_first(logits, dim=-1)
+        full = self.tp.gather_to_first(logits, dim=-1)
         return None if full is None else full[..., : self.vocab_size]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.distributed.parallel_state import get_tp_group, tp_rank, tp_size
+from replicas.distributed.parallel_state import get_tp_group, tp_size
 
 
 def _divide(a: int, b: int) -> int:
@@ -22,6 +22,7 @@ def _divide(a: int, b: int) -> int:
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.tp = get_tp_group()       # bound at construction: several engines may share a process
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -45,7 +46,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, *args):
         n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, tp_rank() * n, n))
+        param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -56,10 +57,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias)
 
     def weight_loader(self, param, loaded, shard_id: int):
-        tp = tp_size()
+        tp = self.tp.world_size
         offset = sum(self.out_sizes[:shard_id]) // tp
         size = self.out_sizes[shard_id] // tp
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -76,7 +77,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -92,10 +93,10 @@ class RowParallelLinear(LinearBase):
             param.data.copy_(loaded)
             return
         n = param.shape[1]
-        param.data.copy_(loaded.narrow(1, tp_rank() * n, n))
+        param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x):
         y = F.linear(x, self.weight)
-        if tp_size() > 1:
-            y = get_tp_group().all_reduce(y)
+        if self.tp.world_size > 1:
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
