@@ -60,6 +60,7 @@ class ModelConfig:
 class EngineConfig:
     """Engine knobs. `max_num_batched_tokens` may be changed at runtime via `Scheduler.set_budget`."""
     model: Optional[str] = None          # path to an HF folder or a .gguf file; None = embedded SmolLM2
+    load_format: str = "auto"            # "auto" | "dummy" (random weights from a config.json, for benchmarks)
     tensor_parallel_size: int = 1
     dtype: str = "auto"                  # "auto" = bfloat16 on GPU, float32 on CPU
     device: str = "auto"                 # "auto" | "cuda" | "cpu"

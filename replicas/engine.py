@@ -38,7 +38,7 @@ class LLMEngine:
 
         self.config = config
         self._detokenizer_cls = IncrementalDetokenizer
-        checkpoint = load_checkpoint(config.model)
+        checkpoint = load_checkpoint(config.model, config.load_format)
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.model_config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
@@ -182,7 +182,7 @@ class LLMEngine:
             reason, stop_reason = "stop", (token if is_stop_id and not is_eos else None)
             if p.include_stop_str_in_output and is_stop_id:
                 req.texts[idx] += detok.update([token])[0]
-        else:
+        elif p.detokenize:
             delta, matched = detok.update([token])
             req.texts[idx] += delta
             if matched is not None:
@@ -191,7 +191,7 @@ class LLMEngine:
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            if stop_reason is None or not isinstance(stop_reason, str):
+            if p.detokenize and not isinstance(stop_reason, str):
                 req.texts[idx] += detok.flush()
             self.scheduler.finish(seq, reason, stop_reason)
 

@@ -51,7 +51,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config, self.device)
         self._init_distributed(init_method)
-        checkpoint = checkpoint or load_checkpoint(config.model)
+        checkpoint = checkpoint or load_checkpoint(config.model, config.load_format)
         self.model_config: ModelConfig = checkpoint.model_config
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
@@ -61,7 +61,10 @@ class ModelRunner:
                 self.model = model_class(self.model_config.architecture)(self.model_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        self.model.load_weights(checkpoint.weights())
+        if config.load_format == "dummy":
+            self._init_random_weights()
+        else:
+            self.model.load_weights(checkpoint.weights())
         self.model.eval()
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -73,6 +76,15 @@ class ModelRunner:
             layer.backend = self.backend
 
     # ---- set-up -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_random_weights(self) -> None:
+        gen = torch.Generator(self.device).manual_seed(self.config.seed + self.rank)
+        for name, p in self.model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
     def _init_distributed(self, init_method: str | None) -> None:
         if self.world_size == 1:
             set_tp_group(SingleCommunicator())

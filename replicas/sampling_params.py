@@ -33,6 +33,7 @@ class SamplingParams:
     logprobs: Optional[int] = None    # number of top alternatives besides the sampled token
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    detokenize: bool = True           # False: token ids only (benchmarks); stop strings need text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -68,6 +69,7 @@ class SamplingParams:
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
              f"logprobs must be an integer in [0, 20], got {self.logprobs}")
         need(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
+        need(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
 
     @property
     def greedy(self) -> bool:

