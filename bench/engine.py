@@ -1,0 +1,245 @@
+"""Engine benchmark (GPU): offline throughput and roofline fractions.
+
+    python -m bench.engine [--shapes qwen3-0.6b,llama3-8b,smollm2] [--num-seqs 256] [--out bench/results/engine.json]
+
+Workload (nano-vllm / mini-sglang): 256 sequences, input and output lengths uniform in [100, 1024], random
+token ids, ignore_eos, seed 0; a warm-up generate of 8 short sequences first. Throughput counts generated
+tokens only, over the wall time of one `LLM.generate` call (scheduling, sampling and Python included).
+Random bf16 weights for the Qwen3-0.6B and Llama-3-8B shapes; SmolLM2-135M's real GGUF weights.
+Roofline: decode step = one graph-replayed forward of B sequences at a fixed context, counted bytes =
+every weight once + the K/V of every context token once; prefill = one 8192-token chunk, counted FLOPs =
+2 x params x tokens + causal attention (2 x 2 x T^2/2 x heads x head_dim per layer). Both against a copy
+and a matmul measured in the same run (bench/roofline.py). HF transformers `generate` runs a 32-sequence
+subset of the same workload (left-padded batch; only each sequence's requested tokens are counted).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from bench.roofline import Ceilings, classify_step, print_profile, profile_kernels
+from memory.block_manager import BlockManager
+from replicas import LLM, SamplingParams
+from replicas.scheduler import ScheduledBatch
+from replicas.sequence import Sequence
+from replicas.step_input import StepInput
+
+SHAPES = {
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False),
+}
+
+
+def workload(n: int, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts, lens = [], []
+    for _ in range(n):
+        prompts.append([rng.randrange(100, vocab - 100) for _ in range(rng.randint(100, 1024))])
+        lens.append(rng.randint(100, 1024))
+    return prompts, lens
+
+
+def params_of(lens):
+    return [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True, detokenize=False) for k in lens]
+
+
+def make_llm(shape: str, **kw) -> LLM:
+    if shape == "smollm2":
+        return LLM(**kw)
+    folder = tempfile.mkdtemp(prefix=f"tidal-{shape}-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(SHAPES[shape], f)
+    return LLM(model=folder, load_format="dummy", **kw)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n
+               ) + (model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+                    if model.config.tie_word_embeddings else 0)
+
+
+def fake_batch(engine, batch: int, ctx: int, new_tokens: int) -> tuple[ScheduledBatch, list[Sequence]]:
+    """`batch` sequences with `ctx - new_tokens` tokens already cached, asking for `new_tokens` each."""
+    bm: BlockManager = engine.block_manager
+    seqs = []
+    for i in range(batch):
+        s = Sequence(f"bench{i}", 0, [7] * ctx, SamplingParams(max_tokens=1), 0, 0.0)
+        s.num_computed_tokens = ctx - new_tokens
+        s.block_table = [bm._take_free().block_id for _ in range(-(-ctx // bm.block_size))]
+        seqs.append(s)
+    return ScheduledBatch(seqs, [new_tokens] * batch), seqs
+
+
+def release(engine, seqs):
+    for s in seqs:
+        s.num_computed_tokens = 0
+        engine.block_manager.free(s)
+
+
+def time_step(runner, step, iters=20) -> float:
+    return _cuda_ms(lambda: runner.execute(step), iters) * 1e-3
+
+
+def _cuda_ms(fn, iters):
+    for _ in range(3):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefill_tokens: int) -> dict:
+    engine, runner = llm.engine, llm.engine.runner
+    mc, model = engine.model_config, runner.model
+    wbytes = weight_bytes(model)
+    elem = torch.tensor([], dtype=runner.dtype).element_size()
+    kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * elem
+    out = {"weight_bytes": wbytes}
+    batch, seqs = fake_batch(engine, decode_batch, decode_ctx, 1)
+    step = StepInput.from_batch(batch, engine.config.block_size)
+    t = time_step(runner, step)
+    kv_bytes = decode_batch * decode_ctx * kv_per_token
+    out.update(decode_batch=decode_batch, decode_ctx=decode_ctx, decode_step_ms=t * 1e3,
+               decode_bytes=wbytes + kv_bytes, decode_bw_fraction=(wbytes + kv_bytes) / t / ceil.copy_bytes_per_s,
+               decode_graphs=runner.graphs is not None and runner.graphs.can_run(step))
+    lin_flops = 2 * (wbytes / elem) * decode_batch
+    attn_flops = 4 * decode_batch * decode_ctx * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
+    out["decode_profile"] = classify_step(profile_kernels(lambda: runner.execute(step)), {
+        "gemm": (wbytes, lin_flops), "attention_decode": (kv_bytes, attn_flops)}, ceil)
+    release(engine, seqs)
+    batch, seqs = fake_batch(engine, 1, prefill_tokens, prefill_tokens)
+    step = StepInput.from_batch(batch, engine.config.block_size)
+    t = time_step(runner, step, iters=5)
+    T = prefill_tokens
+    attn = 2 * 2 * (T * T / 2) * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
+    flops = 2 * (wbytes / elem - mc.vocab_size * mc.hidden_size) * T + attn + 2 * mc.vocab_size * mc.hidden_size
+    out.update(prefill_tokens=T, prefill_step_ms=t * 1e3, prefill_tflops=flops / t / 1e12,
+               prefill_matmul_fraction=flops / t / ceil.matmul_flops_per_s)
+    out["prefill_profile"] = classify_step(profile_kernels(lambda: runner.execute(step), iters=2), {
+        "gemm": (wbytes, flops - attn), "attention_extend": (T * kv_per_token, attn)}, ceil)
+    release(engine, seqs)
+    return out
+
+
+def offline_throughput(llm: LLM, prompts, lens) -> dict:
+    llm.generate(prompts[:8], params_of([16] * 8))                      # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params_of(lens))
+    dt = time.perf_counter() - t
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert gen == sum(lens), "ignore_eos workload must generate exactly the requested tokens"
+    return {"num_seqs": len(prompts), "output_tokens": gen, "input_tokens": sum(map(len, prompts)),
+            "seconds": dt, "output_tok_s": gen / dt, "total_tok_s": (gen + sum(map(len, prompts))) / dt}
+
+
+def hf_throughput(shape: str, prompts, lens, n: int = 32) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**SHAPES[shape])
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    sub, sub_lens = prompts[:n], lens[:n]
+    width = max(map(len, sub))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in sub], device="cuda")
+    mask = (torch.arange(width, device="cuda")[None] >= torch.tensor([width - len(p) for p in sub],
+                                                                       device="cuda")[:, None]).long()
+    steps = max(sub_lens)
+    with torch.no_grad():
+        model.generate(ids[:2, :16], attention_mask=mask[:2, :16], max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                       pad_token_id=0)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    del model
+    return {"hf_num_seqs": n, "hf_output_tokens": sum(sub_lens), "hf_seconds": dt, "hf_output_tok_s": sum(sub_lens) / dt}
+
+
+def free(llm):
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="qwen3-0.6b,llama3-8b,smollm2")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--hf-shape", default="qwen3-0.6b")
+    ap.add_argument("--attention", action="store_true", help="also run bench.attention_kernels (no sweep)")
+    ap.add_argument("--out", default="bench/results/engine.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    ceil = Ceilings.measure()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seed": 0,
+           "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
+           "method": __doc__.strip(), "shapes": {}}
+    for shape in args.shapes.split(","):
+        vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else 49152
+        prompts, lens = workload(args.num_seqs, vocab)
+        llm = make_llm(shape, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
+        r = {"kv_blocks": llm.engine.block_manager.num_base}
+        r.update(offline_throughput(llm, prompts, lens))
+        if shape == "llama3-8b" or shape == "qwen3-0.6b":
+            r.update(roofline(llm, ceil, decode_batch=64, decode_ctx=1024, prefill_tokens=8192))
+        print(f"[{shape}] {r['output_tok_s']:.0f} output tok/s", flush=True)
+        free(llm)
+        if shape == args.hf_shape:
+            r.update(hf_throughput(shape, prompts, lens))
+            r["throughput_vs_hf"] = r["output_tok_s"] / r["hf_output_tok_s"]
+        res["shapes"][shape] = r
+    big = res["shapes"].get("llama3-8b", {})
+    res["decode_bw_fraction"] = big.get("decode_bw_fraction")
+    res["prefill_matmul_fraction"] = big.get("prefill_matmul_fraction")
+    res["throughput_vs_hf"] = res["shapes"].get(args.hf_shape, {}).get("throughput_vs_hf")
+    if args.attention:
+        from bench.attention_kernels import bench_decode, bench_tree_extend
+        res["attention"] = {**bench_decode(False, ceil.copy_bytes_per_s), **bench_tree_extend(False)}
+        res["attention_decode_bw_fraction"] = res["attention"]["attention_decode_bw_fraction"]
+        res["tree_mask_overhead"] = res["attention"]["tree_mask_overhead"]
+    report(res)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2, default=float)
+    print(f"wrote {args.out}")
+
+
+def report(res: dict) -> None:
+    for shape, r in res["shapes"].items():
+        for key in ("decode_profile", "prefill_profile"):
+            if key in r:
+                print_profile(f"{shape} {key.replace('_', ' ')}", r[key])
+    print(f"\nceilings: copy {res['copy_TBps']:.2f} TB/s, bf16 matmul {res['matmul_TFLOPs']:.0f} TFLOP/s")
+    print(f"{'shape':<12}{'out tok/s':>11}{'decode ms':>11}{'of BW':>8}{'prefill ms':>12}{'of FLOP':>9}{'vs HF':>8}")
+    for shape, r in res["shapes"].items():
+        f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
+        print(f"{shape:<12}{f('output_tok_s', '.0f'):>11}{f('decode_step_ms', '.2f'):>11}"
+              f"{f('decode_bw_fraction', '.2f'):>8}{f('prefill_step_ms', '.1f'):>12}"
+              f"{f('prefill_matmul_fraction', '.2f'):>9}{f('throughput_vs_hf', '.1f'):>8}")
+    for k in ("decode_bw_fraction", "prefill_matmul_fraction", "attention_decode_bw_fraction",
+              "tree_mask_overhead", "throughput_vs_hf"):
+        print(f"{k}: {res.get(k)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The engine on a CUDA GPU: Triton backend + CUDA graphs against the torch reference backend, and
+SmolLM2 in bf16 against HF transformers (near-tie rule: flips only where the reference's top-2 logits
+are close)."""
+import os
+
+import pytest
+import torch
+
+from checkpoints import make_tiny_llama, make_tiny_qwen3
+from replicas import LLM, SamplingParams
+from support.greedy import compare_greedy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def prompts_for(vocab, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(k),), generator=g).tolist()
+            for k in torch.randint(2, 200, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("make", [make_tiny_llama, make_tiny_qwen3])
+def test_triton_graphs_match_torch_backend(tmp_path, make):
+    folder = make(str(tmp_path), num_attention_heads=8, num_key_value_heads=2, hidden_size=256, head_dim=32,
+                  max_position_embeddings=1024)
+    prompts = prompts_for(400, 48)
+    kw = dict(model=folder, dtype="float32", max_num_seqs=64, num_kv_blocks=2048)
+    ref = LLM(attention_backend="torch", enforce_eager=True, **kw)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY)]
+    fast = LLM(attention_backend="triton", **kw)
+    assert fast.engine.runner.graphs is not None
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, GREEDY)]
+    # mixed batches: chunked prefill interleaved with graph decodes
+    fast.engine.scheduler.set_budget(64)
+    chunked = [o.outputs[0].token_ids for o in fast.generate(prompts, GREEDY)]
+
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+
+    @torch.no_grad()
+    def last(ids):
+        return hf(torch.tensor([ids], device="cuda")).logits[0, -1]
+
+    flips = compare_greedy(prompts, got, want, last, tie=1e-3)
+    flips += compare_greedy(prompts, chunked, want, last, tie=1e-3)
+    assert len(flips) <= 2, flips
+
+
+def test_smollm2_bf16_matches_hf():
+    from transformers import AutoModelForCausalLM
+
+    from replicas.loaders import default_model_path
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("SmolLM2 GGUF not present (set TIDAL_DEFAULT_MODEL)")
+    llm = LLM(max_num_seqs=32)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Who wrote Hamlet?",
+                 "Explain gravity simply.", "List three colors.", "What is 7 times 8?", "Name a planet.",
+                 "Give a tip for sleeping well.", "What is Python?", "Describe rain.", "Why do cats purr?",
+                 "Suggest a book.", "What is a noun?", "How far is the moon?", "Tell a joke.",
+                 "What is DNA?", "Define democracy.", "What is 2+2?", "Name an ocean.", "What is light?"]
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64))]
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.bfloat16).cuda().eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).cuda().eval()
+    eos = list(llm.engine.eos_token_ids)
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=64, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos[0], temperature=None, top_p=None, top_k=None)
+            want.append(out[0, len(p):].tolist())
+
+    @torch.no_grad()
+    def last(ids):
+        return hf32(torch.tensor([ids], device="cuda")).logits[0, -1]
+
+    # bf16 rounding flips choices whose float32 logits are within a few bf16 ulps of each other
+    flips = compare_greedy(prompts, got, want, last, tie=0.15)
+    print(f"bf16 flips vs HF: {[(f.prompt_index, f.position, round(f.gap, 4)) for f in flips]}")
+    assert len(flips) <= len(prompts) // 4
