@@ -1,7 +1,7 @@
 """The OpenAI wire schema (pydantic) and the replica <-> ingress frames.
 
 Request models check shape and types only (strict, so "0.5" is not a number); ranges are
-checked by `SamplingParams` and by `check()`, so a type error is a 422 and a bad value a 400.
+checked by `SamplingParams` and by `sampling_params()`, so a type error is a 422 and a bad value a 400.
 """
 from __future__ import annotations
 

@@ -1,13 +1,27 @@
 """The cluster as a whole: 32 concurrent streams equal offline greedy, both replicas take load, a TP=2
-replica (gloo ranks as Ray actors) equals TP=1, API keys, backpressure as an OpenAI 503, clean SIGTERM.
+replica (gloo ranks as Ray actors) equals TP=1, API keys, backpressure as an OpenAI 503, a SIGTERM that
+drains, knobs through Serve user_config and the controller's broadcast, and the replica class itself.
 
 The TP=2 server runs a tiny random Llama (SmolLM2's 9 heads do not split in two)."""
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
+from checkpoints import make_tiny_llama
+
+from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
+from cluster.replica import LLMReplica
+from replicas import LLM, EngineConfig, SamplingParams
 
 openai = pytest.importorskip("openai")
 
@@ -22,7 +36,6 @@ TINY = "tiny-llama"
 @pytest.fixture(scope="module")
 def offline_greedy() -> list[str]:
     """TP=1 greedy texts from the offline engine in this process."""
-    from replicas import LLM, SamplingParams
     llm = LLM(device="cpu")
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
@@ -33,13 +46,11 @@ def offline_greedy() -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    from checkpoints import make_tiny_llama
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
 
 
 @pytest.fixture(scope="module")
 def tiny_tp1_greedy(tiny_llama) -> list[str]:
-    from replicas import LLM, SamplingParams
     llm = LLM(model=tiny_llama, device="cpu")
     try:
         outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -130,9 +141,6 @@ def test_overload_is_an_openai_503_and_the_server_recovers(tp2_server):
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_cleanly(tp2_server):
-    import json
-    import threading
-
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": TINY, "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
     first_chunk, events = threading.Event(), []
@@ -157,20 +165,46 @@ def test_sigterm_drains_in_flight_streams_and_exits_cleanly(tp2_server):
     assert "tidal: shutting down" in tp2_server.log_path.read_text(errors="replace")
 
 
+KNOBS_SCRIPT = """
+import json, sys
+import ray
+from ray import serve
+from cluster.app import AppArgs, build_app
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+serve.run(build_app(AppArgs(model=sys.argv[1], device="cpu", num_replicas=2, knobs={"max_num_batched_tokens": 384},
+                            engine_kwargs={"num_kv_blocks": 64})), name="knobs", route_prefix=None)
+replicas = serve.get_deployment_handle("LLMReplica", app_name="knobs")
+initial = [s.max_num_batched_tokens for s in replicas.broadcast("stats").results(timeout_s=120)]
+applied = replicas.broadcast("reconfigure", {"max_num_batched_tokens": 192}).results(timeout_s=120)
+after = [s.max_num_batched_tokens for s in replicas.broadcast("stats").results(timeout_s=120)]
+print("RESULT " + json.dumps({"initial": initial, "applied": [a["max_num_batched_tokens"] for a in applied],
+                              "after": after}))
+serve.shutdown()
+ray.shutdown()
+"""
+
+
+def test_knobs_from_user_config_and_controller_broadcast(tiny_llama):
+    """The app builder's `knobs` reach every replica as Serve user_config; a controller's
+    `handle.broadcast("reconfigure", ...)` changes them on every replica at run time."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", KNOBS_SCRIPT, tiny_llama], cwd=Path(__file__).parent.parent,
+                         env={**env, "RAY_USAGE_STATS_ENABLED": "0"}, capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads(lines[0][len("RESULT "):]) == {"initial": [384, 384], "applied": [192, 192], "after": [192, 192]}
+
+
 # ---- the replica class itself, outside Serve (tiny model, in this process) ---------------------
 
 @pytest.fixture(scope="module")
 def replica(tiny_llama):
-    from cluster.replica import LLMReplica
-    from replicas.config import EngineConfig
     r = LLMReplica.func_or_class(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
     yield r
     r.__del__()
 
 
 def run_job(replica, job, stop_after: int | None = None) -> list:
-    import asyncio
-
     async def collect():
         frames, stream = [], replica.generate(job)
         async for frame in stream:
@@ -183,8 +217,6 @@ def run_job(replica, job, stop_after: int | None = None) -> list:
 
 
 def test_replica_streams_start_then_deltas(replica):
-    from cluster.protocol import ChoiceDelta, GenerationJob, StreamStart
-    from replicas.sampling_params import SamplingParams
     params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=1)
     frames = run_job(replica, GenerationJob("unit-1", params, prompt="hello there"))
     start, rest = frames[0], frames[1:]
@@ -201,8 +233,6 @@ def test_replica_streams_start_then_deltas(replica):
 
 
 def test_replica_refuses_bad_prompts_with_a_failure_frame(replica):
-    from cluster.protocol import GenerationJob, StreamFailure
-    from replicas.sampling_params import SamplingParams
     too_long = run_job(replica, GenerationJob("unit-2", SamplingParams(max_tokens=1), prompt=[5] * 600))
     assert len(too_long) == 1 and isinstance(too_long[0], StreamFailure)
     assert (too_long[0].status, too_long[0].param, too_long[0].code) == (400, "prompt", "context_length_exceeded")
@@ -212,10 +242,6 @@ def test_replica_refuses_bad_prompts_with_a_failure_frame(replica):
 
 
 def test_replica_reconfigure_stats_abort_and_health(replica):
-    import time
-
-    from cluster.protocol import GenerationJob
-    from replicas.sampling_params import SamplingParams
     applied = replica.reconfigure({"max_num_batched_tokens": 256})
     assert applied["max_num_batched_tokens"] == 256 and replica.engine.stats().max_num_batched_tokens == 256
     with pytest.raises(ValueError, match="unknown knobs"):
