@@ -31,7 +31,7 @@ def chain_hash(parent: Optional[int], token_ids: tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(self, num_base_blocks: int, num_reserve_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, reserve_mapped: bool = True):
         self.block_size = block_size
         self.num_base = num_base_blocks
         self.num_reserve = num_reserve_blocks
@@ -42,6 +42,8 @@ class BlockManager:
             (i, None) for i in range(num_base_blocks, num_base_blocks + num_reserve_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.reserve_lent = False
+        self.reserve_mapped = reserve_mapped
+        self.reserve_draining = False   # a reclaim is under way: the reserve hands out nothing
         self.queries = 0          # prompt tokens looked up in the prefix cache
         self.hits = 0             # of which served from cache
 
@@ -50,12 +52,16 @@ class BlockManager:
         return block_id >= self.num_base
 
     @property
+    def reserve_usable(self) -> bool:
+        return self.reserve_lent and not self.reserve_draining
+
+    @property
     def num_usable_blocks(self) -> int:
-        return self.num_base + (self.num_reserve if self.reserve_lent else 0)
+        return self.num_base + (self.num_reserve if self.reserve_usable else 0)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_base) + (len(self.free_reserve) if self.reserve_lent else 0)
+        return len(self.free_base) + (len(self.free_reserve) if self.reserve_usable else 0)
 
     @property
     def num_used_blocks(self) -> int:
@@ -77,7 +83,8 @@ class BlockManager:
         if self.free_base:
             block_id, _ = self.free_base.popitem(last=False)
         else:
-            assert self.reserve_lent and self.free_reserve, "no usable free block (caller must check)"
+            assert self.reserve_usable and self.free_reserve, "no usable free block (caller must check)"
+            assert self.reserve_mapped, "handing out a block of an unmapped reserve"
             block_id, _ = self.free_reserve.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
@@ -111,6 +118,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.token_ids != tokens:        # a hash collision: treat as a miss
                 break
+            if self.is_reserve(block_id):
+                assert self.reserve_usable and self.reserve_mapped, "prefix hit in a reserve that is not lent"
             if block.ref_count == 0:
                 (self.free_reserve if self.is_reserve(block_id) else self.free_base).pop(block_id)
             block.ref_count += 1
@@ -150,8 +159,13 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # ---- elastic reserve protocol -----------------------------------------------------------
+    def set_reserve_mapped(self, mapped: bool) -> None:
+        assert mapped or not self.reserve_lent, "unmapping a reserve that is still lent"
+        self.reserve_mapped = mapped
+
     def lend_reserve(self) -> None:
         assert not self.reserve_lent
+        assert self.reserve_mapped, "lending a reserve whose memory is not mapped"
         assert all(b.ref_count == 0 and b.hash is None for b in self.blocks[self.num_base:])
         self.reserve_lent = True
 
@@ -189,8 +203,16 @@ class BlockManager:
             s.ref_count, s.hash, s.token_ids = 0, None, None
             self.free_reserve[src] = None
 
-    def reclaim_reserve(self) -> None:
+    def begin_reclaim(self) -> None:
+        """From now on the reserve hands out nothing; its live blocks must be migrated or freed."""
+        assert self.reserve_lent
+        self.reserve_draining = True
+
+    def reclaim_reserve(self) -> int:
+        """Returns how many prefix-cache entries were evicted from the reserve."""
         assert self.reserve_lent
         assert not self.reserve_blocks_in_use(), "live blocks left in the reserve at reclaim"
-        self.evict_free_reserve()
+        evicted = self.evict_free_reserve()
         self.reserve_lent = False
+        self.reserve_draining = False
+        return evicted
