@@ -37,7 +37,7 @@ class AppArgs(BaseModel):
     knobs: Optional[dict[str, Any]] = None        # initial runtime knobs (Serve user_config -> reconfigure)
     api_key: Optional[str] = None                 # Bearer key; None = no auth
     cpus_per_rank: float = Field(1.0, gt=0)       # CPU share of each TP rank (torch threads on CPU)
-    max_ongoing_requests: int = Field(64, ge=1)   # per replica, in the engine at once
+    max_ongoing_requests: Optional[int] = Field(None, ge=1)   # per replica; default: the engine's max_num_seqs
     max_queued_requests: int = Field(256, ge=-1)  # per caller, waiting for a replica; beyond -> 503
     ingress_replicas: int = Field(1, ge=1)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
@@ -76,7 +76,7 @@ def build_app(args: AppArgs) -> Application:
         ray_actor_options={"num_cpus": args.cpus_per_rank, "num_gpus": 1 if use_gpu else 0},
         placement_group_bundles=[rank_bundle(use_gpu, args.cpus_per_rank)] * config.tensor_parallel_size,
         placement_group_strategy="STRICT_PACK",
-        max_ongoing_requests=args.max_ongoing_requests,
+        max_ongoing_requests=args.max_ongoing_requests or config.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
         user_config=args.knobs,
     ).bind(config, args.cpus_per_rank)

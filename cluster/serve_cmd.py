@@ -37,7 +37,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-ongoing-requests", type=int, default=64, help="per replica, in the engine at once")
+    p.add_argument("--max-ongoing-requests", type=int, default=None,
+                   help="requests one replica holds at once (default: the engine's max_num_seqs)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting for a replica; beyond -> 503")
     p.set_defaults(func=run_serve)
     return p
