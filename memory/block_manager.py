@@ -99,33 +99,40 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free().block_id)
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """On (re)admission: take cached full blocks for the longest matching prefix. The last token
-        is never served from cache (its logits are needed). Returns the number of cached tokens."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks that would serve `seq`'s prompt from the cache (read-only). The last token is never
+        served from cache (its logits are needed)."""
         if not self.enable_prefix_caching:
-            return 0
+            return []
         bs = self.block_size
-        num_full = (seq.num_tokens - 1) // bs
-        self.queries += seq.num_tokens
+        found: list[int] = []
         parent: Optional[int] = None
-        for i in range(num_full):
+        for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             block_id = self.hash_to_block.get(h)
-            if block_id is None:
+            if block_id is None or self.blocks[block_id].token_ids != tokens:   # a miss, or a hash collision
                 break
+            found.append(block_id)
+            parent = h
+        return found
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """On (re)admission: take cached full blocks for the longest matching prefix. Returns the number
+        of cached tokens."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        self.queries += seq.num_tokens
+        for block_id in self.cached_prefix(seq):
             block = self.blocks[block_id]
-            if block.token_ids != tokens:        # a hash collision: treat as a miss
-                break
             if self.is_reserve(block_id):
                 assert self.reserve_usable and self.reserve_mapped, "prefix hit in a reserve that is not lent"
             if block.ref_count == 0:
                 (self.free_reserve if self.is_reserve(block_id) else self.free_base).pop(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
-            parent = h
-        cached = len(seq.block_table) * bs
+        cached = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = cached
         self.hits += cached
         return cached
