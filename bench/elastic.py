@@ -1,0 +1,317 @@
+"""Elastic KV benchmark (GPU): VMM commit/decommit, reserve sizing per TP rank, lend/reclaim cycles under
+load, the static-commit crash, and the study's negative result (lowering max_num_batched_tokens vs lending).
+
+    python -m bench.elastic [--model llama3-8b|qwen3-0.6b] [--budget 32768]
+                            [--sections vmm,sizing,cycles,static,negative] [--out bench/results/elastic.json]
+
+Random bf16 weights of the named shape (load_format="dummy"), token-id prompts, ignore_eos, seed 0.
+vmm: the whole reserve of every layer mapped (create + map + set access) and unmapped, 30 times after 3
+warm-ups, median and p99; once at the card's size (16 GiB over 36 layers) and once at the model's measured
+reserve; handles released right after mapping (default) and right after unmapping. sizing: the reserve of
+one rank measured on this GPU for TP 1, 2 and 4 by profiling the per-rank shard shape (heads, KV heads and
+MLP width divided by TP; full-vocabulary logits kept, as rank 0 gathers them); weights counted as 1/TP of the
+full model. cycles: one step-indexed arrival script replayed on an elastic and an "off" engine of the same
+base; prefill stall = steps from a request's arrival to its first scheduled step, elastic minus off.
+static: tests/gpu/test_elastic_gpu.py's burst in subprocesses (Qwen3-0.6B shape, 11 GiB given to the engine).
+negative: the same timed Poisson load (median TTFT) on "off" engines at 32768/16384/8192-token budgets and
+an elastic engine at 32768, with the KV blocks each one has. Each section merges its keys into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from memory.elastic import ElasticPolicy, attach_elastic  # noqa: E402
+from memory.reserve import profile_reserve  # noqa: E402
+from memory.vmm import VmmKVPool, VmmLayout, allocation_granularity  # noqa: E402
+from replicas import SamplingParams  # noqa: E402
+from replicas.config import EngineConfig  # noqa: E402
+from replicas.engine import LLMEngine  # noqa: E402
+from replicas.model_runner import ModelRunner  # noqa: E402
+
+SHAPES = {
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, eos_token_id=128009),
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, eos_token_id=151645),
+}
+
+
+def write_shape(shape: dict, tp: int = 1) -> str:
+    cfg = dict(shape)
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        cfg[key] //= tp
+    folder = tempfile.mkdtemp(prefix=f"elastic-tp{tp}-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+def ms_stats(seconds: list[float]) -> dict:
+    a = np.asarray(seconds) * 1e3
+    return {"median": round(float(np.median(a)), 3), "p99": round(float(np.percentile(a, 99)), 3), "n": len(a)}
+
+
+def release_memory() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# ---- vmm -----------------------------------------------------------------------------------------------
+def time_pool(num_layers: int, reserve_bytes_per_layer: int, release_after_map: bool, reps: int = 30) -> dict:
+    gran = allocation_granularity(torch.cuda.current_device())
+    block = (2, 16, 8, 128)                                   # 64 KiB of bf16 per block per layer
+    block_bytes = 2 * 16 * 8 * 128 * 2
+    layout = VmmLayout.fit(block_bytes, gran, gran // block_bytes, reserve_bytes_per_layer // block_bytes)
+    pool = VmmKVPool(torch.device("cuda", torch.cuda.current_device()), layout, num_layers, block, torch.bfloat16,
+                     release_after_map)
+    commit, decommit, phases = [], [], {}
+    try:
+        for i in range(reps + 3):
+            pool.map_reserve()
+            pool.caches[0][layout.num_base_blocks:].fill_(1)      # touch the reserve: it must be usable
+            torch.cuda.synchronize()
+            mapped = dict(pool.timings)
+            pool.unmap_reserve()
+            if i >= 3:
+                commit.append(mapped["total"])
+                decommit.append(pool.timings["total"])
+                for what, timings in (("commit", mapped), ("decommit", pool.timings)):
+                    for k, v in timings.items():
+                        phases.setdefault(f"{what}:{k}", []).append(v)
+    finally:
+        pool.close()
+    return {"layers": num_layers, "reserve_bytes": pool.reserve_bytes, "release_after_map": release_after_map,
+            "commit_ms": ms_stats(commit), "decommit_ms": ms_stats(decommit),
+            "phases_median_ms": {k: round(float(np.median(v)) * 1e3, 3) for k, v in phases.items()}}
+
+
+def section_vmm(args, out: dict) -> None:
+    card = 16 << 30
+    rows = [time_pool(36, card // 36, r) for r in (True, False)]
+    reserve = out.get("reserve_bytes_tp1")
+    layers = SHAPES[args.model]["num_hidden_layers"]
+    if reserve:
+        rows += [time_pool(layers, reserve // layers, True)]
+    best = rows[-1] if reserve else rows[0]
+    out.update(vmm=rows, decommit_ms=best["decommit_ms"]["median"], recommit_ms=best["commit_ms"]["median"],
+               vmm_note=("decommit_ms/recommit_ms: the model's measured reserve" if reserve else
+                         "decommit_ms/recommit_ms: 16 GiB over 36 layers (run 'sizing' first for the model's)"),
+               card_ms={"commit": 2.7, "decommit": 6.4, "what": "16 GiB over 36 layers, one handle per layer"})
+
+
+# ---- sizing --------------------------------------------------------------------------------------------
+def section_sizing(args, out: dict) -> None:
+    shape = SHAPES[args.model]
+    free0, total = torch.cuda.mem_get_info()
+    context = total - free0                                    # CUDA context and whatever else is resident
+    per_tp = {}
+    for tp in (1, 2, 4):
+        cfg = EngineConfig(model=write_shape(shape, tp), load_format="dummy", max_num_batched_tokens=args.budget,
+                           max_num_seqs=args.max_num_seqs)
+        runner = ModelRunner(cfg)
+        weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        if tp == 1:
+            full_weights = weights
+        sizing = profile_reserve(runner)
+        kv_bytes = total * cfg.gpu_memory_utilization - context - full_weights / tp - sizing.headroom_bytes
+        per_tp[tp] = {**sizing.to_dict(), "kv_bytes": int(kv_bytes),
+                      "reserve_fraction": round(sizing.lendable_bytes / kv_bytes, 5)}
+        del runner
+        release_memory()
+    out.update(sizing=per_tp, budget=args.budget, reserve_bytes_tp1=per_tp[1]["lendable_bytes"],
+               reserve_fraction_tp1=per_tp[1]["reserve_fraction"], reserve_fraction_tp2=per_tp[2]["reserve_fraction"],
+               reserve_fraction_tp4=per_tp[4]["reserve_fraction"],
+               reserve_fraction_method="TP2/TP4 computed per rank from shard shapes profiled on one GPU (no multi-GPU "
+                                       "run); KV = util x total - context - weights/TP - headroom")
+
+
+# ---- engines under load --------------------------------------------------------------------------------
+def build(folder: str, mode: str, budget: int, args, policy=None):
+    engine = LLMEngine(EngineConfig(model=folder, load_format="dummy", num_kv_blocks=64, seed=0,
+                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                                    max_model_len=max(budget, 16384)))
+    attach_elastic(engine, mode, policy)
+    return engine
+
+
+def teardown(engine) -> None:
+    engine.runner.graphs = None
+    engine.runner.bind_kv_caches([None] * len(engine.runner.kv_caches))
+    engine.rank_kv.close()
+    engine.shutdown()
+    release_memory()
+
+
+def replay(engine, arrivals: dict[int, list], max_steps: int) -> dict:
+    """Step-indexed arrivals. Returns first-scheduled step per request, errors and OOMs."""
+    first, pending, errors, ooms, i = {}, set(), 0, 0, 0
+    while i <= max(arrivals) or engine.has_unfinished:
+        for rid, prompt, params in arrivals.get(i, []):
+            engine.add_request(rid, prompt, params)
+            pending.add((rid, i))
+        try:
+            engine.elastic.before_schedule()
+            engine.step()
+        except torch.OutOfMemoryError:
+            ooms += 1
+            break
+        except Exception:                                      # a CUDA error poisons the context: stop
+            errors += 1
+            break
+        for rid, t in list(pending):
+            seq = engine.requests[rid].seqs[0] if rid in engine.requests else None
+            if seq is None or seq.first_scheduled_time is not None:
+                first[rid] = i - t
+                pending.discard((rid, t))
+        i += 1
+        if i > max_steps:
+            break
+    return {"wait_steps": first, "errors": errors, "ooms": ooms, "steps": i}
+
+
+def mixed_arrivals(vocab: int, steps: int, seed: int = 0) -> dict[int, list]:
+    rng, arrivals = random.Random(seed), {}
+    for n, i in enumerate(range(0, steps, 6)):
+        long = rng.random() < 0.25
+        prompt = [rng.randrange(3, vocab - 1) for _ in range(rng.randint(2048, 8192) if long else rng.randint(16, 200))]
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(32, 256), ignore_eos=True, detokenize=False)
+        arrivals[i] = [(f"r{n}", prompt, params)]
+    return arrivals
+
+
+def section_cycles(args, out: dict) -> None:
+    folder, shape = write_shape(SHAPES[args.model]), SHAPES[args.model]
+    arrivals = mixed_arrivals(shape["vocab_size"], args.cycle_steps)
+    runs = {}
+    for mode in ("off", "elastic"):
+        engine = build(folder, mode, args.budget, args, ElasticPolicy(256, lend_after_steps=1, min_lend_steps=0)
+                       if mode == "elastic" else None)
+        runs[mode] = replay(engine, arrivals, 20 * args.cycle_steps)
+        e = engine.elastic
+        stats = engine.get_stats()
+        e.fill_stats(stats)
+        runs[mode].update(lends=e.lend_total, reclaims=e.reclaim_total, migrated=e.blocks_migrated,
+                          preempted=e.preemptions, lend_ms=ms_stats(stats.lend_latencies or [0.0]),
+                          reclaim_ms=ms_stats(stats.reclaim_latencies or [0.0]),
+                          base_blocks=engine.block_manager.num_base, reserve_blocks=engine.block_manager.num_reserve)
+        teardown(engine)
+        del engine, e
+        release_memory()            # the next engine must size itself from the same free memory
+    stall = [runs["elastic"]["wait_steps"][r] - runs["off"]["wait_steps"][r]
+             for r in runs["off"]["wait_steps"] if r in runs["elastic"]["wait_steps"]]
+    for r in runs.values():
+        r["wait_steps"] = {"p50": float(np.percentile(list(r["wait_steps"].values()) or [0], 50)),
+                           "p99": float(np.percentile(list(r["wait_steps"].values()) or [0], 99))}
+    out.update(cycles=runs["elastic"]["reclaims"], errors=runs["elastic"]["errors"], ooms=runs["elastic"]["ooms"],
+               prefill_stall_p99_steps=float(np.percentile(stall, 99)) if stall else None,
+               kv_blocks_gained_when_lent=runs["elastic"]["reserve_blocks"], cycle_runs=runs)
+
+
+def section_static(args, out: dict) -> None:
+    script = os.path.join(REPO, "tests", "gpu", "test_elastic_gpu.py")
+    results = {}
+    for mode in ("elastic", "static"):
+        proc = subprocess.run([sys.executable, script, "burst", mode], cwd=REPO, capture_output=True, text=True,
+                              timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        results[mode] = json.loads(line[-1][7:]) if line else {"rc": proc.returncode, "stderr": proc.stderr[-2000:]}
+    out.update(static_commit_oom=bool(results["static"].get("oom")), burst=results,
+               burst_elastic_oom=bool(results["elastic"].get("oom")))
+
+
+def timed_load(engine, prompts: list[list[int]], rate: float, max_tokens: int) -> list[float]:
+    """Poisson arrivals at `rate` per second (seed 0); returns the TTFTs (s)."""
+    rng, t, times = random.Random(0), 0.0, []
+    for _ in prompts:
+        t += rng.expovariate(rate)
+        times.append(t)
+    start, n = time.monotonic(), 0
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    engine.finished_timings.clear()
+    while n < len(prompts) or engine.has_unfinished:
+        now = time.monotonic() - start
+        while n < len(prompts) and times[n] <= now:
+            engine.add_request(f"q{n}", prompts[n], params, arrival_time=start + times[n])
+            n += 1
+        if not engine.has_unfinished:
+            time.sleep(max(0.0, times[n] - now))
+            continue
+        engine.elastic.before_schedule()
+        engine.step()
+    return [x.first_token_time - x.arrival_time for x in engine.finished_timings]
+
+
+def section_negative(args, out: dict) -> None:
+    folder, shape = write_shape(SHAPES[args.model]), SHAPES[args.model]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, shape["vocab_size"] - 1) for _ in range(rng.randint(512, 8192))]
+               for _ in range(args.requests)]
+    rows = []
+    for mode, budget in (("off", 32768), ("off", 16384), ("off", 8192), ("elastic", 32768)):
+        engine = build(folder, mode, budget, args)
+        timed_load(engine, prompts[:4], args.rate, 8)          # warm-up
+        ttft = timed_load(engine, prompts, args.rate, args.max_tokens)
+        bm = engine.block_manager
+        rows.append({"mode": mode, "max_num_batched_tokens": budget, "kv_blocks": bm.num_base,
+                     "kv_blocks_when_lent": bm.num_base + bm.num_reserve, "ttft_median_s": statistics.median(ttft),
+                     "ttft_p99_s": float(np.percentile(ttft, 99)), "lends": engine.elastic.lend_total,
+                     "reclaims": engine.elastic.reclaim_total})
+        teardown(engine)
+        del engine
+        release_memory()
+    off32, off8, el = rows[0], rows[2], rows[3]
+    out.update(negative=rows, negative_summary={
+        "blocks_gained_lowering_32768_to_8192": off8["kv_blocks"] - off32["kv_blocks"],
+        "blocks_gained_lending_at_32768": el["kv_blocks_when_lent"] - el["kv_blocks"],
+        "ttft_median_8192_vs_32768": round(off8["ttft_median_s"] / off32["ttft_median_s"] - 1, 4),
+        "load": f"{args.requests} requests, prompts U[512, 8192], {args.max_tokens} output tokens, "
+                f"Poisson {args.rate}/s, seed 1"})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--budget", type=int, default=32768)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--sections", default="sizing,vmm,cycles,static,negative")
+    ap.add_argument("--cycle-steps", type=int, default=3000)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--rate", type=float, default=4.0)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "elastic.json"))
+    args = ap.parse_args()
+    out = json.load(open(args.out)) if os.path.exists(args.out) else {}
+    out.update(model=args.model, device=torch.cuda.get_device_name(), torch=torch.__version__, seed=0)
+    for name in args.sections.split(","):
+        t0 = time.monotonic()
+        globals()[f"section_{name}"](args, out)
+        out.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        print(name, "done", flush=True)
+    print(json.dumps({k: v for k, v in out.items() if not isinstance(v, (dict, list))}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
