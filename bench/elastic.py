@@ -12,7 +12,7 @@ one rank measured on this GPU for TP 1, 2 and 4 by profiling the per-rank shard 
 MLP width divided by TP; full-vocabulary logits kept, as rank 0 gathers them); weights counted as 1/TP of the
 full model. cycles: one step-indexed arrival script replayed on an elastic and an "off" engine of the same
 base; prefill stall = steps from a request's arrival to its first scheduled step, elastic minus off.
-static: tests/gpu/test_elastic_gpu.py's burst in subprocesses (Qwen3-0.6B shape, 11 GiB given to the engine).
+static: tests/gpu/test_elastic_gpu.py's burst in subprocesses (Qwen3-0.6B shape, 8 GiB given to the engine).
 negative: the same timed Poisson load (median TTFT) on "off" engines at 32768/16384/8192-token budgets and
 an elastic engine at 32768, with the KV blocks each one has. Each section merges its keys into --out.
 """

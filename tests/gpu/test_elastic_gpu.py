@@ -3,7 +3,8 @@ caching) with greedy outputs equal to the non-elastic engine; a burst of maximum
 reserve is lent and in use completes, while the static-commit baseline runs out of memory on that burst.
 
 The burst runs in subprocesses (`python tests/gpu/test_elastic_gpu.py burst MODE`), each with the GPU to
-itself less a ballast tensor, so that the KV pool really fills the memory it is given."""
+itself less a ballast tensor (8 GiB left to the engine, 128 MiB of slack beyond the activation headroom),
+so that the KV pool really fills the memory it is given."""
 import json
 import os
 import random
@@ -127,11 +128,11 @@ def burst_main(mode: str) -> None:
     folder = tempfile.mkdtemp()
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(QWEN3_06B, f)
-    budget, lend_tokens, slack = 32768, 4096, 512 << 20
+    budget, lend_tokens, slack = 32768, 4096, 128 << 20
     engine = LLMEngine(EngineConfig(model=folder, load_format="dummy", num_kv_blocks=64, max_num_seqs=32,
                                     max_num_batched_tokens=budget, max_model_len=budget, block_size=16))
     free, _ = torch.cuda.mem_get_info()
-    ballast = torch.empty(max(0, free - (11 << 30)), dtype=torch.uint8, device="cuda")   # noqa: F841
+    ballast = torch.empty(max(0, free - (8 << 30)), dtype=torch.uint8, device="cuda")    # noqa: F841
     elastic = attach_elastic(engine, mode, ElasticPolicy(lend_tokens, lend_after_steps=1, min_lend_steps=0),
                              lend_step_tokens=lend_tokens, slack_bytes=slack)
     rank, bm = engine.rank_kv, engine.block_manager
