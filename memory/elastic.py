@@ -91,6 +91,11 @@ class RankKV:
     def reserve_bytes(self) -> int:
         return self.memory.reserve_bytes
 
+    @property
+    def reserve_fraction(self) -> float:
+        """Reserve blocks per base block: what lending adds to this rank's KV pool."""
+        return self.num_reserve / self.num_base
+
     def apply(self, action: KVAction) -> bool:
         if action.kind == LEND:
             return self._lend()
