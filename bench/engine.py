@@ -122,7 +122,9 @@ def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefi
                decode_graphs=runner.graphs is not None and runner.graphs.can_run(step))
     lin_flops = 2 * (wbytes / elem) * decode_batch
     attn_flops = 4 * decode_batch * decode_ctx * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
-    out["decode_profile"] = classify_step(profile_kernels(lambda: runner.execute(step)), {
+    out["decode_top_kernels_ms"], out["prefill_top_kernels_ms"] = [], []
+    out["decode_profile"] = classify_step(profile_kernels(lambda: runner.execute(step),
+                                                          top=out["decode_top_kernels_ms"]), {
         "gemm": (wbytes, lin_flops), "attention_decode": (kv_bytes, attn_flops)}, ceil)
     release(engine, seqs)
     batch, seqs = fake_batch(engine, 1, prefill_tokens, prefill_tokens)
@@ -133,7 +135,8 @@ def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefi
     flops = 2 * (wbytes / elem - mc.vocab_size * mc.hidden_size) * T + attn + 2 * mc.vocab_size * mc.hidden_size
     out.update(prefill_tokens=T, prefill_step_ms=t * 1e3, prefill_tflops=flops / t / 1e12,
                prefill_matmul_fraction=flops / t / ceil.matmul_flops_per_s)
-    out["prefill_profile"] = classify_step(profile_kernels(lambda: runner.execute(step), iters=2), {
+    out["prefill_profile"] = classify_step(profile_kernels(lambda: runner.execute(step), iters=2,
+                                                           top=out["prefill_top_kernels_ms"]), {
         "gemm": (wbytes, flops - attn), "attention_extend": (T * kv_per_token, attn)}, ceil)
     release(engine, seqs)
     return out
@@ -229,6 +232,8 @@ def report(res: dict) -> None:
         for key in ("decode_profile", "prefill_profile"):
             if key in r:
                 print_profile(f"{shape} {key.replace('_', ' ')}", r[key])
+                for ms, name, cls in r[key.replace("profile", "top_kernels_ms")][:8]:
+                    print(f"    {ms:8.3f} ms  {cls:<16} {name}")
     print(f"\nceilings: copy {res['copy_TBps']:.2f} TB/s, bf16 matmul {res['matmul_TFLOPs']:.0f} TFLOP/s")
     print(f"{'shape':<12}{'out tok/s':>11}{'decode ms':>11}{'of BW':>8}{'prefill ms':>12}{'of FLOP':>9}{'vs HF':>8}")
     for shape, r in res["shapes"].items():

@@ -65,8 +65,8 @@ def classify_kernel(name: str) -> str:
     return "other"
 
 
-def profile_kernels(fn, iters: int = 3) -> dict[str, float]:
-    """Mean CUDA time (s) per call of `fn`, by op class."""
+def profile_kernels(fn, iters: int = 3, top: list | None = None) -> dict[str, float]:
+    """Mean CUDA time (s) per call of `fn`, by op class; `top` (if given) receives the 15 slowest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -76,10 +76,14 @@ def profile_kernels(fn, iters: int = 3) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     totals: dict[str, float] = defaultdict(float)
+    kernels = []
     for evt in prof.key_averages():
         t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
         if t and evt.device_type == torch.autograd.DeviceType.CUDA:
             totals[classify_kernel(evt.key)] += t * 1e-6 / iters
+            kernels.append((t * 1e-3 / iters, evt.key[:90], classify_kernel(evt.key)))
+    if top is not None:
+        top.extend(sorted(kernels, reverse=True)[:15])
     return dict(totals)
 
 

@@ -178,7 +178,8 @@ class ModelRunner:
         step = StepInput(
             input_ids=np.zeros(n, np.int64), positions=np.concatenate([np.arange(l) for l in lens]),
             slot_mapping=np.full(n, -1, np.int64), query_start_loc=qsl, seq_lens=np.asarray(lens, np.int32),
-            block_tables=np.zeros((len(lens), 1), np.int32), sample_indices=qsl[1:].astype(np.int64) - 1)
+            block_tables=np.zeros((len(lens), -(-seq_len // self.block_size)), np.int32),
+            sample_indices=qsl[1:].astype(np.int64) - 1)
         logits = self.forward(step)
         if logits is not None:
             torch.softmax(logits.float(), -1).sort(-1)     # the sampler's worst case: sort for top-p

@@ -36,7 +36,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, Hkv, D]; returns rotated copies in the input dtype."""
+        """q [T, H, D], k [T, Hkv, D]; returns them rotated (in place on the GPU, copies on the CPU)."""
+        if q.is_cuda:
+            from replicas.attention.triton_fused import apply_rotary
+            apply_rotary(q, k, positions, self.cos_sin)
+            return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -63,23 +63,31 @@ def test_smollm2_bf16_matches_hf():
                  "What is DNA?", "Define democracy.", "What is 2+2?", "Name an ocean.", "What is light?"]
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64))]
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.bfloat16).cuda().eval()
-    hf32 = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).cuda().eval()
+    kw = dict(gguf_file=os.path.basename(path))
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.bfloat16, **kw).cuda().eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **kw).cuda().eval()
     eos = list(llm.engine.eos_token_ids)
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=64, do_sample=False,
-                              eos_token_id=eos, pad_token_id=eos[0], temperature=None, top_p=None, top_k=None)
-            want.append(out[0, len(p):].tolist())
+
+    def hf_greedy(model):
+        outs = []
+        with torch.no_grad():
+            for p in prompts:
+                out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=64, do_sample=False,
+                                     eos_token_id=eos, pad_token_id=eos[0], temperature=None, top_p=None, top_k=None)
+                outs.append(out[0, len(p):].tolist())
+        return outs
+
+    exact = hf_greedy(hf32)
 
     @torch.no_grad()
     def last(ids):
         return hf32(torch.tensor([ids], device="cuda")).logits[0, -1]
 
-    # bf16 rounding flips choices whose float32 logits are within a few bf16 ulps of each other
-    flips = compare_greedy(prompts, got, want, last, tie=0.15)
-    print(f"bf16 flips vs HF: {[(f.prompt_index, f.position, round(f.gap, 4)) for f in flips]}")
-    assert len(flips) <= len(prompts) // 4
+    # The float32 model is the truth. bf16 rounding (~0.4% of a logit) flips choices whose float32 top-2
+    # logits are that close, in HF's bf16 as in ours: every divergence must be such a near-tie (regret), and
+    # we may not diverge much more often than HF's own bf16 path does.
+    ours = compare_greedy(prompts, got, exact, last, tie=0.15)
+    theirs = compare_greedy(prompts, hf_greedy(hf), exact, last, tie=0.15)
+    print(f"bf16 divergences from fp32 HF: tidal {len(ours)}, HF bf16 {len(theirs)}; "
+          f"tidal gaps {[round(f.gap, 3) for f in ours]}")
+    assert len(ours) <= len(theirs) + 4
