@@ -170,7 +170,6 @@ def replay(engine, arrivals: dict[int, list], max_steps: int) -> dict:
             engine.add_request(rid, prompt, params)
             pending.add((rid, i))
         try:
-            engine.elastic.before_schedule()
             engine.step()
         except torch.OutOfMemoryError:
             ooms += 1
@@ -209,7 +208,6 @@ def section_cycles(args, out: dict) -> None:
         runs[mode] = replay(engine, arrivals, 20 * args.cycle_steps)
         e = engine.elastic
         stats = engine.get_stats()
-        e.fill_stats(stats)
         runs[mode].update(lends=e.lend_total, reclaims=e.reclaim_total, migrated=e.blocks_migrated,
                           preempted=e.preemptions, lend_ms=ms_stats(stats.lend_latencies or [0.0]),
                           reclaim_ms=ms_stats(stats.reclaim_latencies or [0.0]),
@@ -256,7 +254,6 @@ def timed_load(engine, prompts: list[list[int]], rate: float, max_tokens: int) -
         if not engine.has_unfinished:
             time.sleep(max(0.0, times[n] - now))
             continue
-        engine.elastic.before_schedule()
         engine.step()
     return [x.first_token_time - x.arrival_time for x in engine.finished_timings]
 

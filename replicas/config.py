@@ -71,7 +71,8 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None  # default: sized from gpu_memory_utilization (GPU) / kv_cache_bytes (CPU)
     kv_cache_bytes: int = 1 << 30        # CPU KV budget when num_kv_blocks is None
     gpu_memory_utilization: float = 0.90
-    reserve_blocks: int = 0              # blocks of the elastic reserve region (after the base region)
+    reserve_blocks: int = 0              # CPU: blocks of the elastic reserve region (GPU: sized by profiling)
+    elastic: str = "off"                 # "off" | "elastic" (lend the prefill reserve to KV) | "static" (baseline)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"      # "auto" | "torch" | "triton"
     enforce_eager: bool = False          # no CUDA graphs

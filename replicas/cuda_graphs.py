@@ -73,6 +73,7 @@ class DecodeGraphs:
         self.slot_mapping[b:size].fill_(-1)
         self.seq_lens[:b].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)
         self.seq_lens[b:size].fill_(1)
+        self.block_tables[b:size, 0] = 0    # padded lanes read block 0, never a stale (maybe unmapped) block
         width = step.block_tables.shape[1]
         self.block_tables[:b, :width].copy_(torch.from_numpy(np.ascontiguousarray(step.block_tables)),
                                             non_blocking=True)

@@ -5,6 +5,7 @@ engine -> scheduler -> block manager -> model runner -> model -> sampler: five h
 from __future__ import annotations
 
 import random
+from functools import partial
 import socket
 import time
 from typing import Optional, Union
@@ -54,14 +55,20 @@ class LLMEngine:
             self.launcher.launch(config, rank, tp, init_method)
         self.runner = ModelRunner(config, 0, tp, init_method, checkpoint=checkpoint)
         self.max_model_len = self.runner.max_model_len
-        num_blocks = self.runner.num_kv_blocks_for_budget()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_graphs()
-        reserve = min(config.reserve_blocks, num_blocks - 1)
+        self.runner.init_kv()
+        kv = self.runner.kv
+        num_blocks = self.runner.num_kv_blocks
+        reserve = kv.num_reserve if kv is not None else min(config.reserve_blocks, num_blocks - 1)
         self.block_manager = BlockManager(num_blocks - reserve, reserve, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)
+        self.elastic = None
+        if kv is not None:
+            from memory.elastic import ElasticKV, ElasticPolicy
+            self.elastic = ElasticKV(config.elastic, self.block_manager, self.scheduler,
+                                     partial(self.runner.call_all, "apply_kv_action"),
+                                     ElasticPolicy(kv.lend_step_tokens), kv.reserve_bytes, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(kv_blocks_total=num_blocks - reserve)
@@ -114,6 +121,8 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.elastic is not None:
+            self.elastic.before_schedule()      # reclaim before a step whose prefill needs the reserve
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
         if batch.is_empty:
@@ -213,13 +222,20 @@ class LLMEngine:
                     speculation: Optional[bool] = None) -> dict:
         """Runtime knobs, applied between steps. Returns the settings now in force."""
         if max_num_batched_tokens is not None:
-            self.scheduler.set_budget(int(max_num_batched_tokens))
-        if elastic is not None and elastic != self.stats.elastic_mode:
-            raise ValueError(f"elastic mode {elastic!r} is not available on this engine")
+            n = int(max_num_batched_tokens)
+            if self.runner.device.type == "cuda" and n > self.config.max_num_batched_tokens:
+                raise ValueError(f"max_num_batched_tokens={n} is above the {self.config.max_num_batched_tokens} "
+                                 "whose activation peak this engine reserved memory for")
+            self.scheduler.set_budget(n)
+        if elastic is not None:
+            if self.elastic is not None:
+                self.elastic.set_mode(elastic)
+            elif elastic != "off":
+                raise ValueError("elastic KV needs an engine started with elastic='elastic'")
         if speculation:
             raise ValueError("speculative decoding is not available on this engine")
         return {"max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
-                "elastic": self.stats.elastic_mode, "speculation": False}
+                "elastic": self.elastic.mode if self.elastic is not None else "off", "speculation": False}
 
     def get_stats(self) -> EngineStats:
         s = self.stats
@@ -230,6 +246,8 @@ class LLMEngine:
         s.max_num_batched_tokens = self.scheduler.max_num_batched_tokens
         s.prefix_cache_queries = self.block_manager.queries
         s.prefix_cache_hits = self.block_manager.hits
+        if self.elastic is not None:
+            self.elastic.fill_stats(s)
         return s
 
     def shutdown(self) -> None:

@@ -70,6 +70,8 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] = []
+        self.kv = None                       # memory.elastic.RankKV when elastic KV is on
+        self.num_kv_blocks = 0
         self.graphs = None
         self.backend = self._make_backend()
         for layer in self._attention_layers():
@@ -131,6 +133,28 @@ class ModelRunner:
         self.kv_caches = caches
         for layer, cache in zip(self._attention_layers(), caches):
             layer.kv_cache = cache
+
+    def init_kv(self) -> None:
+        """Size and create the KV cache (plain tensors, or VMM ranges with a reserve for elastic KV), then
+        capture the decode graphs over it. Collective: every rank calls it at start-up."""
+        cfg = self.config
+        if cfg.elastic == "off":
+            self.num_kv_blocks = self.num_kv_blocks_for_budget()
+            self.allocate_kv_cache(self.num_kv_blocks)
+        else:
+            from memory.elastic import build_rank_kv
+            counts = {}
+            if self.device.type != "cuda":
+                n = self.num_kv_blocks_for_budget()
+                reserve = min(cfg.reserve_blocks, n - 1)
+                counts = dict(num_base_blocks=n - reserve, num_reserve_blocks=reserve)
+            self.kv = build_rank_kv(self, cfg.elastic, **counts)
+            self.num_kv_blocks = self.kv.num_base + self.kv.num_reserve
+        self.capture_graphs()
+
+    def apply_kv_action(self, action) -> bool:
+        """Lend or reclaim the elastic reserve on this rank (rank 0 sends it to all ranks with call_all)."""
+        return self.kv.apply(action)
 
     def capture_graphs(self) -> None:
         """Once, after the KV tensors exist (their addresses never change afterwards)."""
@@ -239,6 +263,7 @@ class ModelRunner:
                 continue
             self.forward(msg)
         dist.destroy_process_group()
+        self.close_kv()
 
     def call_all(self, method: str, *args):
         """Rank 0: run a method on every rank (set-up calls, not per step)."""
@@ -250,3 +275,10 @@ class ModelRunner:
         if self.world_size > 1 and dist.is_initialized():
             dist.broadcast_object_list([None], src=0)
             dist.destroy_process_group()
+        self.close_kv()
+
+    def close_kv(self) -> None:
+        if self.kv is not None:
+            self.graphs = None
+            self.kv.close()
+            self.kv = None

@@ -69,8 +69,6 @@ def drive(engine, arrivals: dict[int, list], elastic=True) -> dict[str, list[int
     while step <= last or engine.has_unfinished:
         for rid, prompt, params in arrivals.get(step, []):
             engine.add_request(rid, prompt, params)
-        if elastic:
-            engine.elastic.before_schedule()
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
@@ -156,12 +154,11 @@ def test_reclaim_migrates_or_preempts_live_reserve_blocks(tiny):
     guard = Guard(engine)
     got = drive(engine, arrivals)
     stats = engine.get_stats()
-    engine.elastic.fill_stats(stats)
     assert stats.lend_total >= 10 and stats.reclaim_total >= 10
     assert stats.blocks_migrated > 0, "no live reserve block was ever migrated"
     assert stats.elastic_preemptions > 0, "no sequence was ever preempted by a reclaim"
     assert guard.large_steps > 0 and len(stats.reclaim_latencies) == stats.reclaim_total
-    engine.elastic.fill_stats(stats)
+    stats = engine.get_stats()
     assert stats.reclaim_latencies == [] and stats.lend_latencies == []   # drained on read
     check_same(tiny, requests, got, reference(folder, requests))
 
@@ -183,7 +180,6 @@ def test_prefix_hits_in_the_reserve_are_evicted_at_reclaim(tiny):
         for _ in range(500):
             if cond():
                 return
-            elastic.before_schedule()
             got.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         raise AssertionError("condition never met")
 

@@ -22,8 +22,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     from replicas.model_runner import ModelRunner
 
     runner = ModelRunner(config, rank, world_size, init_method, device_index)
-    runner.allocate_kv_cache(runner.num_kv_blocks_for_budget())
-    runner.capture_graphs()
+    runner.init_kv()
     runner.serve_forever()
 
 

@@ -70,11 +70,9 @@ def test_ten_thousand_cycles_under_live_load(tiny):
             requests[f"r{n}"] = (prompt, params)
             engine.add_request(f"r{n}", prompt, params)
             n += 1
-        elastic.before_schedule()
         collect(engine, done)
         assert engine.stats.num_steps < 30 * CYCLES, "the load stopped cycling"
     while engine.has_unfinished:
-        elastic.before_schedule()
         collect(engine, done)
     torch.cuda.synchronize()
     assert [c.data_ptr() for c in engine.runner.kv_caches] == addresses
@@ -151,7 +149,6 @@ def burst_main(mode: str) -> None:
             if not engine.scheduler.waiting and bm.reserve_lent:
                 engine.add_request(f"fill{i}", [rng.randrange(3, 150000) for _ in range(3500)], params)
                 i += 1
-            elastic.before_schedule()
             collect(engine, done)
             assert engine.stats.num_steps < 2000
         result.update(phase="burst", lent_before_burst=bm.reserve_lent,
@@ -161,7 +158,6 @@ def burst_main(mode: str) -> None:
             engine.add_request(rid, [rng.randrange(3, 150000) for _ in range(budget - 8)],
                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False))
         while engine.has_unfinished:
-            elastic.before_schedule()
             collect(engine, done)
         torch.cuda.synchronize()
         result.update(phase="done", burst=len(burst), burst_finished=sum(r in done for r in burst))
