@@ -190,6 +190,9 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--hf-shape", default="qwen3-0.6b")
     ap.add_argument("--attention", action="store_true", help="also run bench.attention_kernels (no sweep)")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
+                    help="torch: the reference backend, eager (the starting point), throughput only")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -200,14 +203,17 @@ def main() -> None:
     for shape in args.shapes.split(","):
         vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else 49152
         prompts, lens = workload(args.num_seqs, vocab)
-        llm = make_llm(shape, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
-        r = {"kv_blocks": llm.engine.block_manager.num_base}
+        reference = args.attention_backend == "torch"
+        extra = dict(attention_backend="torch", enforce_eager=True) if reference else {}
+        llm = make_llm(shape, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85, **extra)
+        r = {"kv_blocks": llm.engine.block_manager.num_base, "attention_backend": llm.engine.runner.backend.name,
+             "cuda_graphs": llm.engine.runner.graphs is not None}
         r.update(offline_throughput(llm, prompts, lens))
-        if shape == "llama3-8b" or shape == "qwen3-0.6b":
+        if shape in SHAPES and not reference:
             r.update(roofline(llm, ceil, decode_batch=64, decode_ctx=1024, prefill_tokens=8192))
         print(f"[{shape}] {r['output_tok_s']:.0f} output tok/s", flush=True)
         free(llm)
-        if shape == args.hf_shape:
+        if shape == args.hf_shape and not args.no_hf:
             r.update(hf_throughput(shape, prompts, lens))
             r["throughput_vs_hf"] = r["output_tok_s"] / r["hf_output_tok_s"]
         res["shapes"][shape] = r
