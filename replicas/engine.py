@@ -14,7 +14,7 @@ from memory.block_manager import BlockManager
 from replicas.config import EngineConfig
 from replicas.distributed.launch import ProcessLauncher, WorkerLauncher
 from replicas.model_runner import ModelRunner
-from replicas.outputs import RequestOutput
+from replicas.outputs import Logprob, RequestOutput
 from replicas.request import Request, RequestError
 from replicas.sampler import Sampler, SamplingBatch
 from replicas.sampling_params import SamplingParams
@@ -77,7 +77,8 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                    arrival_time: Optional[float] = None) -> None:
+                    arrival_time: Optional[float] = None, stream: bool = True) -> None:
+        """`stream=False`: `step()` reports the request only when it finishes (offline use)."""
         if request_id in self.requests:
             raise RequestError("request_id", f"request id {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
@@ -101,7 +102,7 @@ class LLMEngine:
                 else self._rng.getrandbits(47)
             seqs.append(Sequence(request_id, i, ids, params, seed, now))
         req = Request(request_id, text, ids, params, seqs,
-                      [self._detokenizer_cls(self.tokenizer, ids, params) for _ in seqs])
+                      [self._detokenizer_cls(self.tokenizer, ids, params) for _ in seqs], stream)
         self.requests[request_id] = req
         for seq in seqs:
             self.scheduler.add(seq)
@@ -113,7 +114,7 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
-        return req.make_output(self.tokenizer)
+        return req.make_output()
 
     @property
     def has_unfinished(self) -> bool:
@@ -135,7 +136,7 @@ class LLMEngine:
             seqs = [batch.seqs[i] for i in sampling]
             sb = SamplingBatch.build(
                 [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-                [s.output_token_ids for s in seqs], [s.prompt_token_ids for s in seqs],
+                _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),
                 self.eos_token_ids, self.model_config.vocab_size, logits.device)
             out = self.sampler(logits, sb)
             tokens = out.token_ids.tolist()
@@ -153,9 +154,11 @@ class LLMEngine:
         self.stats.iteration_tokens_total += batch.num_tokens
         outputs = []
         for rid, req in touched.items():
-            outputs.append(req.make_output(self.tokenizer))
             if req.finished:
+                outputs.append(req.make_output())
                 self._retire(req)
+            elif req.stream:
+                outputs.append(req.make_output())
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, out, row: int, now: float) -> None:
@@ -170,17 +173,8 @@ class LLMEngine:
         seq.last_token_time = now
         p = seq.params
         if p.logprobs is not None:
-            lp = float(out.logprobs[row])
-            seq.cumulative_logprob += lp
-            entry = {token: (lp, 0)}
-            if out.top_ids is not None and p.logprobs > 0:
-                for rank, (tid, v) in enumerate(zip(out.top_ids[row, :p.logprobs].tolist(),
-                                                    out.top_logprobs[row, :p.logprobs].tolist()), start=1):
-                    if tid == token:
-                        entry[token] = (lp, rank)
-                    else:
-                        entry.setdefault(tid, (v, rank))
-            seq.logprobs.append(entry)
+            seq.logprobs.append(self._logprob_entry(token, out, row, p.logprobs))
+            seq.cumulative_logprob += seq.logprobs[-1][token].logprob
         req = self.requests[seq.request_id]
         idx = seq.index
         detok = req.detokenizers[idx]
@@ -190,10 +184,10 @@ class LLMEngine:
         if (is_eos or is_stop_id) and seq.num_output_tokens > p.min_tokens - 1:
             reason, stop_reason = "stop", (token if is_stop_id and not is_eos else None)
             if p.include_stop_str_in_output and is_stop_id:
-                req.texts[idx] += detok.update([token])[0]
+                req.text_parts[idx].append(detok.update([token])[0])
         elif p.detokenize:
             delta, matched = detok.update([token])
-            req.texts[idx] += delta
+            req.text_parts[idx].append(delta)
             if matched is not None:
                 reason, stop_reason = "stop", matched
         if reason is None and ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
@@ -201,8 +195,22 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if p.detokenize and not isinstance(stop_reason, str):
-                req.texts[idx] += detok.flush()
+                req.text_parts[idx].append(detok.flush())
             self.scheduler.finish(seq, reason, stop_reason)
+
+    def _logprob_entry(self, token: int, out, row: int, k: int) -> dict[int, Logprob]:
+        """The sampled token's logprob and the top-k alternatives, decoded once."""
+        lp = float(out.logprobs[row])
+        pairs = {token: (lp, 0)}
+        if out.top_ids is not None and k > 0:
+            for rank, (tid, v) in enumerate(zip(out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()),
+                                            start=1):
+                if tid == token:
+                    pairs[token] = (lp, rank)
+                else:
+                    pairs.setdefault(tid, (v, rank))
+        decode = self.tokenizer.decode
+        return {tid: Logprob(v, r, decode([tid], skip_special_tokens=False)) for tid, (v, r) in pairs.items()}
 
     def _retire(self, req: Request) -> None:
         del self.requests[req.request_id]
@@ -254,3 +262,17 @@ class LLMEngine:
         self.runner.shutdown()
         if self.launcher is not None:
             self.launcher.shutdown()
+
+
+class _TokenView:
+    """Per-row prompt or output token ids, sliced only for the rows the sampler asks about (penalties)."""
+
+    def __init__(self, seqs: list[Sequence], prompt: bool):
+        self.seqs, self.prompt = seqs, prompt
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> list[int]:
+        s = self.seqs[i]
+        return s.prompt_token_ids if self.prompt else s.output_token_ids

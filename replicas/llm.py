@@ -30,7 +30,7 @@ class LLM:
         order = []
         for prompt, p in zip(prompts, plist):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, stream=False)
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)

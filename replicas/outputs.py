@@ -14,8 +14,10 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
+    """On the output that finishes a sequence, `text`, `token_ids` and `logprobs` are the whole output;
+    on intermediate (streaming) outputs they hold only what is new, like the `delta_` fields."""
     index: int
-    text: str = ""                                  # full text so far
+    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""                            # text new since the previous output of this stream
     delta_token_ids: list[int] = field(default_factory=list)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from replicas.outputs import CompletionOutput, Logprob, RequestOutput
+from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.sampling_params import SamplingParams
 from replicas.sequence import Sequence
 
@@ -19,39 +19,46 @@ class RequestError(ValueError):
 
 @dataclass
 class Request:
+    """Per step only what is new is copied out (O(new tokens)); the full text, token ids and logprobs
+    are assembled once, on the output that finishes a sequence."""
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
     detokenizers: list = field(default_factory=list)
-    sent_tokens: list[int] = field(default_factory=list)     # per seq: tokens already reported
-    sent_text: list[int] = field(default_factory=list)       # per seq: chars already reported
-    texts: list[str] = field(default_factory=list)           # per seq: detokenized output so far
+    stream: bool = True                                      # emit intermediate outputs (else only finished)
+    sent_tokens: list[int] = field(default_factory=list)     # per seq: output tokens already reported
+    text_parts: list[list[str]] = field(default_factory=list)
+    sent_parts: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.sent_tokens = [0] * len(self.seqs)
-        self.sent_text = [0] * len(self.seqs)
-        self.texts = [""] * len(self.seqs)
+        self.text_parts = [[] for _ in self.seqs]
+        self.sent_parts = [0] * len(self.seqs)
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
-    def make_output(self, tokenizer) -> RequestOutput:
+    def make_output(self) -> RequestOutput:
         outs = []
         for i, seq in enumerate(self.seqs):
-            tokens = seq.output_token_ids
-            text = self.texts[i]
-            lp = None
-            if self.params.logprobs is not None:
-                lp = [{tid: Logprob(v, r, tokenizer.decode([tid], skip_special_tokens=False))
-                       for tid, (v, r) in entry.items()} for entry in seq.logprobs]
+            start = seq.num_prompt_tokens + self.sent_tokens[i]
+            delta_ids = seq.token_ids[start:]
+            delta_text = "".join(self.text_parts[i][self.sent_parts[i]:])
+            want_lp = self.params.logprobs is not None
+            if seq.is_finished:
+                text, ids = "".join(self.text_parts[i]), seq.output_token_ids
+                lp = list(seq.logprobs) if want_lp else None
+            else:
+                text, ids = delta_text, delta_ids
+                lp = seq.logprobs[self.sent_tokens[i]:] if want_lp else None
             outs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(tokens),
-                delta_text=text[self.sent_text[i]:], delta_token_ids=tokens[self.sent_tokens[i]:],
-                cumulative_logprob=seq.cumulative_logprob if self.params.logprobs is not None else None,
-                logprobs=lp, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-            self.sent_text[i], self.sent_tokens[i] = len(text), len(tokens)
+                index=i, text=text, token_ids=ids, delta_text=delta_text, delta_token_ids=delta_ids,
+                cumulative_logprob=seq.cumulative_logprob if want_lp else None, logprobs=lp,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            self.sent_tokens[i] = seq.num_output_tokens
+            self.sent_parts[i] = len(self.text_parts[i])
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              num_cached_tokens=self.seqs[0].num_cached_tokens)
