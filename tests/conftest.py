@@ -21,6 +21,13 @@ from pathlib import Path
 
 import pytest
 
+# Triton reads TRITON_INTERPRET when a kernel module is first imported, and collecting tests/gpu/ imports the
+# kernels before the CPU kernel tests run: without a GPU, every kernel runs in Triton's interpreter.
+import torch  # noqa: E402
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 120.0
