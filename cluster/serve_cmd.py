@@ -40,8 +40,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-ongoing-requests", type=int, default=None,
                    help="requests one replica holds at once (default: the engine's max_num_seqs)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting for a replica; beyond -> 503")
+    p.add_argument("--elastic", choices=("off", "elastic", "static"), default="off",
+                   help="lend the prefill-activation reserve to the KV pool during decode (docs/elastic-kv.md)")
+    p.add_argument("--reserve-blocks", type=int, default=None,
+                   help="CPU only: size of the (logical) elastic reserve in KV blocks; GPUs size it by profiling")
     p.set_defaults(func=run_serve)
     return p
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kw = {"elastic": args.elastic}
+    if args.reserve_blocks is not None:
+        kw["reserve_blocks"] = args.reserve_blocks
+    return kw
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -63,7 +74,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                            max_model_len=args.max_model_len, api_key=args.api_key, cpus_per_rank=cpus_per_rank,
                            max_ongoing_requests=args.max_ongoing_requests,
-                           max_queued_requests=args.max_queued_requests)
+                           max_queued_requests=args.max_queued_requests,
+                           engine_kwargs=_engine_kwargs(args))
     except ValidationError as e:
         print(f"tidal serve: bad arguments:\n{e}", file=sys.stderr)
         return 2
