@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from bench.roofline import Ceilings, classify_step, print_profile, profile_kernels
+from bench.roofline import Ceilings, classify_step, cuda_time_ms, print_profile, profile_kernels
 from memory.block_manager import BlockManager
 from replicas import LLM, SamplingParams
 from replicas.scheduler import ScheduledBatch
@@ -90,20 +90,7 @@ def release(engine, seqs):
 
 
 def time_step(runner, step, iters=20) -> float:
-    return _cuda_ms(lambda: runner.execute(step), iters) * 1e-3
-
-
-def _cuda_ms(fn, iters):
-    for _ in range(3):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+    return cuda_time_ms(lambda: runner.execute(step), iters=iters) * 1e-3
 
 
 def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefill_tokens: int) -> dict:

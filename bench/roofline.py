@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 
-def _time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Mean milliseconds per call of `fn` on the current stream, timed with CUDA events after a warm-up."""
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -36,11 +37,11 @@ class Ceilings:
     def measure() -> "Ceilings":
         src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
         dst = torch.empty_like(src)
-        copy_ms = _time_ms(lambda: dst.copy_(src))
+        copy_ms = cuda_time_ms(lambda: dst.copy_(src))
         del src, dst
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        mm_ms = _time_ms(lambda: a @ b)
+        mm_ms = cuda_time_ms(lambda: a @ b)
         del a, b
         torch.cuda.empty_cache()
         return Ceilings(2 * (1 << 30) / (copy_ms * 1e-3), 2 * 8192 ** 3 / (mm_ms * 1e-3))

@@ -16,12 +16,7 @@ from speculative.tree_gpu import build_frontier
 from replicas.config import ModelConfig
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+from support.threads import one_thread  # noqa: F401,E402  (autouse)
 
 
 def tiny_config(**kw) -> DrafterConfig:

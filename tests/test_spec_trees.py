@@ -13,13 +13,7 @@ from speculative.tree_gpu import GraphTreeBuilder, build_frontier
 from speculative.tree_reference import build_reference
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors: one thread is faster and immune to a busy machine's OpenMP stalls.
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+from support.threads import one_thread  # noqa: F401,E402  (autouse)
 
 
 def random_round(seed: int, ties: bool = False, corrected: bool = True, **tree_overrides):
