@@ -26,8 +26,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.errors import OpenAIError, from_validation_error, install_error_handlers, model_not_found, overloaded
-from cluster.protocol import (ChatCompletionRequest, CompletionRequest, GenerationJob, ModelCard, ModelList,
-                              ResponseBuilder, StreamFailure, StreamStart)
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerationJob, StreamFailure, StreamStart
+from cluster.responses import ModelCard, ModelList, ResponseBuilder
 from replicas.sampling_params import SamplingParams, SamplingParamsError
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20

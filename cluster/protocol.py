@@ -1,13 +1,12 @@
-"""The OpenAI wire schema (pydantic) and the replica <-> ingress frames.
+"""OpenAI request bodies (pydantic) and the replica <-> ingress frames (responses: cluster/responses.py).
 
 Request models check shape and types only (strict, so "0.5" is not a number); ranges are
 checked by `SamplingParams` and by `sampling_params()`, so a type error is a 422 and a bad value a 400.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -156,182 +155,6 @@ class ChatCompletionRequest(_SamplingRequest):
                 msg["role"] = "system"
             out.append(msg)
         return out
-
-
-# ---- responses -------------------------------------------------------------------------
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tidal"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: Optional[dict[str, Any]] = None
-    finish_reason: Optional[str] = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-
-
-class ChatDelta(BaseModel):
-    role: Optional[str] = None
-    content: Optional[str] = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: Optional[ChatDelta] = None
-    delta: Optional[ChatDelta] = None
-    logprobs: Optional[dict[str, Any]] = None
-    finish_reason: Optional[str] = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion", "chat.completion.chunk"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Optional[Usage] = None
-
-
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int) -> dict:
-    """The legacy completions logprobs object for a run of generated tokens starting at `offset` chars."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for tid, entry in zip(token_ids, logprobs):
-        sampled = entry[tid]
-        tokens.append(sampled.decoded_token)
-        token_logprobs.append(sampled.logprob)
-        top.append({lp.decoded_token: lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)})
-        offsets.append(offset)
-        offset += len(sampled.decoded_token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> dict:
-    """The chat logprobs object: per token its logprob, bytes and `top_n` alternatives."""
-    def item(lp: Logprob) -> dict:
-        return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode("utf-8"))}
-    content = []
-    for tid, entry in zip(token_ids, logprobs):
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:top_n]
-        content.append({**item(entry[tid]), "top_logprobs": [item(lp) for lp in ranked]})
-    return {"content": content}
-
-
-class ResponseBuilder:
-    """Turns one request's frames into OpenAI stream chunks and/or the final response body.
-
-    Choice `i` of prompt `j` is choice `j * n + i` of the response, as in the OpenAI API.
-    """
-
-    def __init__(self, kind: Literal["chat", "completion"], request_id: str, model: str, n: int,
-                 num_prompts: int, logprobs: Optional[int], include_usage: bool):
-        self.chat = kind == "chat"
-        self.id, self.model, self.n = request_id, model, n
-        self.created = int(time.time())
-        self.top_logprobs = logprobs
-        self.include_usage = include_usage
-        count = n * num_prompts
-        self.texts: list[list[str]] = [[] for _ in range(count)]
-        self.text_len = [0] * count
-        self.num_tokens = [0] * count
-        self.finish: list[Optional[str]] = [None] * count
-        self.logprobs: list[Optional[dict]] = [None] * count
-        self.prompt_tokens = 0
-
-    def start(self, prompt_index: int, start: "StreamStart") -> None:
-        self.prompt_tokens += start.prompt_tokens
-
-    def opening_chunks(self) -> list[dict]:
-        if not self.chat:
-            return []
-        return [self._chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content="")))
-                for i in range(len(self.texts))]
-
-    def add(self, prompt_index: int, deltas: list["ChoiceDelta"]) -> list[dict]:
-        """Record one frame; returns its stream chunks (one per choice that moved)."""
-        chunks = []
-        for d in deltas:
-            i = prompt_index * self.n + d.index
-            piece = self._logprobs_piece(i, d)
-            self.texts[i].append(d.text)
-            self.text_len[i] += len(d.text)
-            self.num_tokens[i] += len(d.token_ids)
-            self.finish[i] = d.finish_reason or self.finish[i]
-            if self.chat:
-                choice = ChatChoice(index=i, delta=ChatDelta(content=d.text or None), logprobs=piece,
-                                    finish_reason=d.finish_reason)
-            else:
-                choice = CompletionChoice(index=i, text=d.text, logprobs=piece, finish_reason=d.finish_reason)
-            chunks.append(self._chunk(choice))
-        return chunks
-
-    def usage(self) -> Usage:
-        completion = sum(self.num_tokens)
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                     total_tokens=self.prompt_tokens + completion)
-
-    def usage_chunk(self) -> Optional[dict]:
-        return self._chunk(None, usage=self.usage()) if self.include_usage else None
-
-    def final(self) -> dict:
-        if self.chat:
-            choices = [ChatChoice(index=i, message=ChatDelta(role="assistant", content="".join(t)),
-                                  logprobs=self.logprobs[i], finish_reason=self.finish[i])
-                       for i, t in enumerate(self.texts)]
-            body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                          usage=self.usage())
-        else:
-            choices = [CompletionChoice(index=i, text="".join(t), logprobs=self.logprobs[i],
-                                        finish_reason=self.finish[i]) for i, t in enumerate(self.texts)]
-            body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=self.usage())
-        return body.model_dump(exclude_none=True)
-
-    def _chunk(self, choice, usage: Optional[Usage] = None) -> dict:
-        cls = ChatCompletionResponse if self.chat else CompletionResponse
-        extra = {"object": "chat.completion.chunk"} if self.chat else {}
-        return cls(id=self.id, created=self.created, model=self.model, choices=[choice] if choice else [],
-                   usage=usage, **extra).model_dump(exclude_none=True)
-
-    def _logprobs_piece(self, i: int, d: "ChoiceDelta") -> Optional[dict]:
-        """This delta's logprobs in the endpoint's format, also appended to choice i's total."""
-        if self.top_logprobs is None or not d.logprobs:
-            return None
-        if self.chat:
-            piece = chat_logprobs(d.token_ids, d.logprobs, self.top_logprobs)
-        else:
-            piece = completion_logprobs(d.token_ids, d.logprobs, self.text_len[i])
-        total = self.logprobs[i]
-        if total is None:
-            self.logprobs[i] = {k: list(v) for k, v in piece.items()}
-        else:
-            for k, v in piece.items():
-                total[k].extend(v)
-        return piece
 
 
 # ---- replica <-> ingress frames (plain dataclasses, pickled by Ray) -----------------------

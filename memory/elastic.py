@@ -1,8 +1,8 @@
 """Elastic KV: lend the prefill-activation reserve to the KV pool during decode, take it back before a
 prefill that needs it.
 
-Two halves. `RankKV` lives on every TP rank and owns that rank's KV memory (a `VmmKVPool` on CUDA, a
-`LogicalReserve` elsewhere); it applies `KVAction`s. `ElasticKV` lives on rank 0 beside the scheduler:
+Two halves. `RankKV` (memory/rank_kv.py) lives on every TP rank and owns that rank's KV memory (a
+`VmmKVPool` on CUDA, a `LogicalReserve` elsewhere); it applies `KVAction`s. `ElasticKV` lives on rank 0 beside the scheduler:
 the policy and the block-level protocol; it sends each action to every rank through `dispatch`
 (with TP: `runner.call_all("apply_kv_action", action)`, one control broadcast, only on steps that act).
 
@@ -12,176 +12,14 @@ baseline that runs out of memory on a burst of large prefills).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from memory.block_manager import BlockManager
-from memory.reserve import ReserveSizing, default_lend_step_tokens, plan_kv_blocks, profile_reserve
-
-MODES = ("off", "elastic", "static")
-LEND, RECLAIM = "lend", "reclaim"
-
-
-@dataclass(frozen=True)
-class KVAction:
-    kind: str                                   # "lend" | "reclaim"
-    src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # reclaim: reserve blocks ...
-    dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # ... copied to these base blocks
-
-
-class LogicalReserve:
-    """The reserve without VMM (CPU, CI): the blocks live in ordinary tensors and map/unmap only flip
-    `mapped`. Both scribble over the reserve blocks, as memory that was unmapped and mapped again holds
-    garbage, so a read of stale reserve KV changes outputs instead of passing silently."""
-
-    def __init__(self, caches: list[torch.Tensor], num_base: int, num_reserve: int):
-        self.caches, self.num_base, self.num_reserve = caches, num_base, num_reserve
-        self.reserve_bytes = sum(c[num_base:].numel() * c.element_size() for c in caches)
-        self.mapped = False
-        self.timings: dict[str, float] = {}
-        self._gen = torch.Generator(caches[0].device).manual_seed(1234)
-
-    def _scribble(self) -> None:
-        for c in self.caches:
-            c[self.num_base:].normal_(0.0, 8.0, generator=self._gen)
-
-    def map_reserve(self) -> None:
-        assert not self.mapped
-        self._scribble()
-        self.mapped = True
-
-    def unmap_reserve(self) -> None:
-        assert self.mapped
-        self._scribble()
-        self.mapped = False
-
-    def mem_get_info(self) -> Optional[tuple[int, int]]:
-        return None
-
-    def close(self) -> None:
-        self.caches = []
-
-
-def _all_ranks_ok(ok: bool) -> bool:
-    import torch.distributed as dist
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)      # the gloo control group
-    return bool(flag.item())
-
-
-class RankKV:
-    """One rank's KV memory and the device side of the protocol."""
-
-    def __init__(self, memory, device: torch.device, num_base: int, num_reserve: int, lend_step_tokens: int,
-                 kept_free_bytes: int = 0, world_size: int = 1, sizing: Optional[ReserveSizing] = None):
-        self.memory, self.device = memory, device
-        self.num_base, self.num_reserve = num_base, num_reserve
-        self.lend_step_tokens, self.kept_free_bytes = lend_step_tokens, kept_free_bytes
-        self.world_size, self.sizing = world_size, sizing
-        self.before_unmap: list[Callable[[], None]] = []   # e.g. clear stale block ids in graph buffers
-
-    @property
-    def caches(self) -> list[torch.Tensor]:
-        return self.memory.caches
-
-    @property
-    def reserve_bytes(self) -> int:
-        return self.memory.reserve_bytes
-
-    @property
-    def reserve_fraction(self) -> float:
-        """Reserve blocks per base block: what lending adds to this rank's KV pool."""
-        return self.num_reserve / self.num_base
-
-    def apply(self, action: KVAction) -> bool:
-        if action.kind == LEND:
-            return self._lend()
-        if action.kind == RECLAIM:
-            self._reclaim(action.src, action.dst)
-            return True
-        raise ValueError(f"unknown KV action {action.kind!r}")
-
-    def _lend(self) -> bool:
-        ok = True
-        if self.device.type == "cuda":
-            # The prefill's peak must really be back with the driver before its memory is lent.
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            free, _ = self.memory.mem_get_info()
-            ok = free >= self.memory.reserve_bytes + self.kept_free_bytes
-        if ok:
-            try:
-                self.memory.map_reserve()
-            except RuntimeError:                 # VmmError (out of memory, driver refusal): not lent
-                ok = False
-        if self.world_size > 1:
-            ok = _all_ranks_ok(ok)               # a rank that failed to map fails the lend everywhere
-            if not ok and self.memory.mapped:
-                self.memory.unmap_reserve()
-        return ok
-
-    def _reclaim(self, src: np.ndarray, dst: np.ndarray) -> None:
-        if len(src):
-            s = torch.as_tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
-            d = torch.as_tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
-            for cache in self.memory.caches:
-                cache.index_copy_(0, d, cache.index_select(0, s))
-        for hook in self.before_unmap:
-            hook()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # every stream: cuMemUnmap does not wait for kernels
-        self.memory.unmap_reserve()
-
-    def close(self) -> None:
-        self.memory.close()
-
-
-def build_rank_kv(runner, mode: str, num_base_blocks: Optional[int] = None, num_reserve_blocks: Optional[int] = None,
-                  lend_step_tokens: Optional[int] = None, slack_bytes: Optional[int] = None,
-                  release_after_map: bool = True) -> RankKV:
-    """Every rank calls this in place of `runner.allocate_kv_cache(...)` (collectively when TP > 1) and binds
-    the caches. Block counts default to measured sizing on CUDA; on CPU they must be given."""
-    if mode not in MODES:
-        raise ValueError(f"elastic mode must be one of {MODES}, got {mode!r}")
-    cfg, mc = runner.config, runner.model_config
-    layers = mc.num_hidden_layers
-    block_shape = (2, runner.block_size, mc.num_key_value_heads // runner.world_size, mc.head_dim)
-    lend_tokens = lend_step_tokens or default_lend_step_tokens(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-    sizing = None
-    if runner.device.type == "cuda" and (num_base_blocks is None or num_reserve_blocks is None):
-        sizing = profile_reserve(runner, lend_tokens)
-        base, reserve = plan_kv_blocks(runner, sizing, slack_bytes)
-        num_base_blocks = base if num_base_blocks is None else num_base_blocks
-        num_reserve_blocks = reserve if num_reserve_blocks is None else num_reserve_blocks
-    if num_base_blocks is None or num_reserve_blocks is None:
-        raise ValueError("give num_base_blocks and num_reserve_blocks off CUDA")
-    if mode == "off":
-        num_reserve_blocks = 0
-    if runner.world_size > 1:
-        import torch.distributed as dist
-        counts = torch.tensor([num_base_blocks, num_reserve_blocks])
-        dist.all_reduce(counts, op=dist.ReduceOp.MIN)
-        num_base_blocks, num_reserve_blocks = (int(x) for x in counts.tolist())
-    if runner.device.type == "cuda":
-        from memory.vmm import VmmKVPool, VmmLayout, allocation_granularity
-        layout = VmmLayout.fit(runner.kv_block_bytes() // layers,
-                               allocation_granularity(runner.device.index or 0),
-                               num_base_blocks, num_reserve_blocks)
-        memory = VmmKVPool(runner.device, layout, layers, block_shape, runner.dtype, release_after_map)
-        num_base_blocks, num_reserve_blocks = layout.num_base_blocks, layout.num_reserve_blocks
-    else:
-        runner.allocate_kv_cache(num_base_blocks + num_reserve_blocks)
-        memory = LogicalReserve(runner.kv_caches, num_base_blocks, num_reserve_blocks)
-    if mode != "off" and num_reserve_blocks == 0:
-        memory.close()
-        raise ValueError("the reserve rounds to zero blocks: elastic KV has nothing to lend")
-    runner.bind_kv_caches(memory.caches)
-    kept = sizing.kept_bytes if sizing is not None else 0
-    return RankKV(memory, runner.device, num_base_blocks, num_reserve_blocks, lend_tokens, kept,
-                  runner.world_size, sizing)
+from memory.rank_kv import LEND, MODES, RECLAIM, KVAction, build_rank_kv
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] = []
-        self.kv = None                       # memory.elastic.RankKV when elastic KV is on
+        self.kv = None                       # memory.rank_kv.RankKV when elastic KV is on
         self.num_kv_blocks = 0
         self.graphs = None
         self.backend = self._make_backend()
@@ -142,7 +142,7 @@ class ModelRunner:
             self.num_kv_blocks = self.num_kv_blocks_for_budget()
             self.allocate_kv_cache(self.num_kv_blocks)
         else:
-            from memory.elastic import build_rank_kv
+            from memory.rank_kv import build_rank_kv
             counts = {}
             if self.device.type != "cuda":
                 n = self.num_kv_blocks_for_budget()

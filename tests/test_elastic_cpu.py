@@ -10,7 +10,8 @@ import torch
 
 from checkpoints import make_tiny_llama
 from memory.block_manager import BlockManager
-from memory.elastic import ElasticPolicy, KVAction, LendGate, attach_elastic
+from memory.elastic import ElasticPolicy, LendGate, attach_elastic
+from memory.rank_kv import KVAction
 from memory.reserve import profile_step
 from memory.vmm import VmmLayout
 from replicas import SamplingParams
