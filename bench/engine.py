@@ -22,7 +22,6 @@ import random
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 from bench.roofline import Ceilings, classify_step, cuda_time_ms, print_profile, profile_kernels
@@ -164,11 +163,27 @@ def hf_throughput(shape: str, prompts, lens, n: int = 32) -> dict:
     return {"hf_num_seqs": n, "hf_output_tokens": sum(sub_lens), "hf_seconds": dt, "hf_output_tok_s": sum(sub_lens) / dt}
 
 
-def free(llm):
+def bench_shape(shape: str, args, ceil: Ceilings) -> dict:
+    """One engine's figures; the engine is gone (its memory free) when this returns."""
+    vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else 49152
+    prompts, lens = workload(args.num_seqs, vocab)
+    reference = args.attention_backend == "torch"
+    extra = dict(attention_backend="torch", enforce_eager=True) if reference else {}
+    llm = make_llm(shape, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85, **extra)
+    r = {"kv_blocks": llm.engine.block_manager.num_base, "attention_backend": llm.engine.runner.backend.name,
+         "cuda_graphs": llm.engine.runner.graphs is not None}
+    r.update(offline_throughput(llm, prompts, lens))
+    if shape in SHAPES and not reference:
+        r.update(roofline(llm, ceil, decode_batch=64, decode_ctx=1024, prefill_tokens=8192))
+    print(f"[{shape}] {r['output_tok_s']:.0f} output tok/s on {r['kv_blocks']} KV blocks", flush=True)
     llm.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+    if shape == args.hf_shape and not args.no_hf:
+        r.update(hf_throughput(shape, prompts, lens))
+        r["throughput_vs_hf"] = r["output_tok_s"] / r["hf_output_tok_s"]
+    return r
 
 
 def main() -> None:
@@ -188,22 +203,9 @@ def main() -> None:
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "method": __doc__.strip(), "shapes": {}}
     for shape in args.shapes.split(","):
-        vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else 49152
-        prompts, lens = workload(args.num_seqs, vocab)
-        reference = args.attention_backend == "torch"
-        extra = dict(attention_backend="torch", enforce_eager=True) if reference else {}
-        llm = make_llm(shape, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85, **extra)
-        r = {"kv_blocks": llm.engine.block_manager.num_base, "attention_backend": llm.engine.runner.backend.name,
-             "cuda_graphs": llm.engine.runner.graphs is not None}
-        r.update(offline_throughput(llm, prompts, lens))
-        if shape in SHAPES and not reference:
-            r.update(roofline(llm, ceil, decode_batch=64, decode_ctx=1024, prefill_tokens=8192))
-        print(f"[{shape}] {r['output_tok_s']:.0f} output tok/s", flush=True)
-        free(llm)
-        if shape == args.hf_shape and not args.no_hf:
-            r.update(hf_throughput(shape, prompts, lens))
-            r["throughput_vs_hf"] = r["output_tok_s"] / r["hf_output_tok_s"]
-        res["shapes"][shape] = r
+        res["shapes"][shape] = bench_shape(shape, args, ceil)
+        gc.collect()
+        torch.cuda.empty_cache()       # the next engine sizes its KV pool from the memory free now
     big = res["shapes"].get("llama3-8b", {})
     res["decode_bw_fraction"] = big.get("decode_bw_fraction")
     res["prefill_matmul_fraction"] = big.get("prefill_matmul_fraction")
