@@ -27,24 +27,31 @@ class StepInput:
 
     @staticmethod
     def from_batch(batch: ScheduledBatch, block_size: int) -> "StepInput":
-        ids, pos, slots, qsl, lens, tables, sample = [], [], [], [0], [], [], []
+        # Decodes (one new token) are the common row: plain Python scalars, no per-row numpy.
+        ids, pos, slots, qsl, lens, sample = [], [], [], [0], [], []
+        tables = [seq.block_table for seq in batch.seqs]
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
-            p = np.arange(start, end, dtype=np.int64)
-            pos.append(p)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            slots.append(table[p // block_size] * block_size + p % block_size)
+            start = seq.num_computed_tokens
+            table = tables[i]
+            if n == 1:
+                ids.append(seq.token_ids[start])
+                pos.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                ids.extend(seq.token_ids[start:start + n])
+                p = range(start, start + n)
+                pos.extend(p)
+                slots.extend(table[t // block_size] * block_size + t % block_size for t in p)
             qsl.append(qsl[-1] + n)
-            lens.append(end)
-            tables.append(seq.block_table)
-            if batch.samples(i):
+            lens.append(start + n)
+            if start + n == seq.num_tokens:          # reaches its last known token: samples
                 sample.append(qsl[-1] - 1)
-        width = max(len(t) for t in tables)
+        width = max(map(len, tables))
         block_tables = np.zeros((len(tables), width), dtype=np.int32)
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = t
         return StepInput(
-            input_ids=np.concatenate(ids), positions=np.concatenate(pos), slot_mapping=np.concatenate(slots),
-            query_start_loc=np.asarray(qsl, dtype=np.int32), seq_lens=np.asarray(lens, dtype=np.int32),
-            block_tables=block_tables, sample_indices=np.asarray(sample, dtype=np.int64))
+            input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(pos, dtype=np.int64),
+            slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=np.asarray(qsl, dtype=np.int32),
+            seq_lens=np.asarray(lens, dtype=np.int32), block_tables=block_tables,
+            sample_indices=np.asarray(sample, dtype=np.int64))
