@@ -81,7 +81,7 @@ SERVING = DashboardDef(
                      (Target(rate("tidal:generation_tokens_total"), "{{replica}}"),), "Generated tokens per second."),
             PanelDef("Prompt throughput", "short",
                      (Target(rate("tidal:prompt_tokens_total"), "{{replica}}"),),
-                     "Prompt tokens computed per second (prefix-cache hits excluded)."),
+                     "Prompt tokens per second of requests reaching their first token (prefix-cache hits included)."),
             PanelDef("Finished requests by reason", "reqps",
                      (Target(rate("tidal:request_success_total", "finished_reason"), "{{finished_reason}}"),)),
             PanelDef("Tokens per engine step", "short",
