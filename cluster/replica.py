@@ -160,8 +160,11 @@ class LLMReplica:
 
     async def describe(self) -> dict:
         """Identity and current stats of this replica (the ingress's /v1/models and /stats read it)."""
+        engine = self.engine.engine
         return {"replica_id": self.replica_id, "model": self.engine.model_name,
-                "max_model_len": self.engine.max_model_len, "stats": asdict(self.engine.stats())}
+                "max_model_len": self.engine.max_model_len, "stats": asdict(self.engine.stats()),
+                "budget_limit": engine.config.max_num_batched_tokens,
+                "elastic_available": engine.elastic is not None}
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -173,6 +176,17 @@ class LLMReplica:
             raise ValueError(f"unknown knobs {sorted(unknown)}; reconfigurable: {RECONFIGURABLE_KNOBS}")
         applied = self.engine.reconfigure(**(knobs or {}))
         logger.info("replica %s reconfigured: %s", self.replica_id, applied)
+        return applied
+
+    def apply_controller_decisions(self, decisions: dict) -> list:
+        """The fleet controller broadcasts every replica's decisions; each replica applies its own."""
+        applied = []
+        for knob, value, reason in decisions.get(self.replica_id, []):
+            self.reconfigure({knob: value})
+            if self.metrics.recorder is not None:
+                numeric = value if isinstance(value, (int, float)) else float(value != "off")
+                self.metrics.recorder.record_controller_decision(knob, numeric, reason)
+            applied.append((knob, value, reason))
         return applied
 
     def check_health(self) -> None:

@@ -44,6 +44,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="lend the prefill-activation reserve to the KV pool during decode (docs/elastic-kv.md)")
     p.add_argument("--reserve-blocks", type=int, default=None,
                    help="CPU only: size of the (logical) elastic reserve in KV blocks; GPUs size it by profiling")
+    p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="initial runtime knob (Serve user_config), e.g. max_num_batched_tokens=1024; repeatable")
+    p.add_argument("--controller", action="store_true",
+                   help="run the fleet controller: re-tunes max_num_batched_tokens and elastic lending from stats")
+    p.add_argument("--controller-interval", type=float, default=5.0, help="seconds between controller rounds")
     p.set_defaults(func=run_serve)
     return p
 
@@ -53,6 +58,16 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     if args.reserve_blocks is not None:
         kw["reserve_blocks"] = args.reserve_blocks
     return kw
+
+
+def _knobs(pairs: list[str]) -> dict | None:
+    knobs = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--knob takes KEY=VALUE, got {pair!r}")
+        knobs[key] = int(value) if value.isdigit() else value
+    return knobs or None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -75,8 +90,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            max_model_len=args.max_model_len, api_key=args.api_key, cpus_per_rank=cpus_per_rank,
                            max_ongoing_requests=args.max_ongoing_requests,
                            max_queued_requests=args.max_queued_requests,
-                           engine_kwargs=_engine_kwargs(args))
-    except ValidationError as e:
+                           engine_kwargs=_engine_kwargs(args), knobs=_knobs(args.knob))
+    except (ValidationError, ValueError) as e:
         print(f"tidal serve: bad arguments:\n{e}", file=sys.stderr)
         return 2
 
@@ -103,6 +118,9 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         model = _wait_until_healthy(url, READY_TIMEOUT_S)
+        if args.controller:
+            from cluster.controller import ControllerConfig, start_controller
+            start_controller(APP_NAME, ControllerConfig(interval_s=args.controller_interval))
         serving.set()
         metrics = "" if joined else f", Prometheus metrics on :{args.metrics_port}"
         print(f"tidal: serving {model} at {url}/v1 ({args.replicas} replica(s) x TP{args.tp} on {device}"
@@ -132,6 +150,10 @@ def _cleanup(joined: bool) -> None:
     if not ray.is_initialized():
         return
     try:
+        try:
+            ray.kill(ray.get_actor("tidal-controller"))
+        except ValueError:
+            pass                                  # no controller was started
         # Deleting the app first lets its replicas drain in-flight requests (graceful_shutdown_timeout_s)
         # while the HTTP proxies still carry them; serve.shutdown() alone kills the proxies at once.
         serve.delete(APP_NAME)
