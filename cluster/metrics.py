@@ -158,6 +158,7 @@ class StatsRecorder:
         self._prev = {field: 0 for field, _ in COUNTER_FIELDS}
         self._prev_by_position: list[int] = []
         self._mode: str | None = None
+        self._latency_seen = {"lend_total": 0, "reclaim_total": 0}
 
     def record(self, stats: EngineStats, timings: Sequence[RequestTimings] = ()) -> None:
         self._record_counters(stats)
@@ -201,10 +202,14 @@ class StatsRecorder:
         self._mode = stats.elastic_mode
 
     def _record_elastic_latencies(self, stats: EngineStats) -> None:
-        # Lists of samples taken since the previous snapshot (EngineStats gains them with elastic KV).
-        for field, name in (("lend_latencies", "elastic_lend_seconds"),
-                            ("reclaim_latencies", "elastic_reclaim_seconds")):
-            samples = getattr(stats, field, None)
+        # The stats carry the newest samples (not drained on read); the lend/reclaim totals say how many
+        # are new since the previous snapshot.
+        for total, field, name in (("lend_total", "lend_latencies", "elastic_lend_seconds"),
+                                   ("reclaim_total", "reclaim_latencies", "elastic_reclaim_seconds")):
+            now = getattr(stats, total)
+            new = int(_increment(self._latency_seen[total], now))
+            self._latency_seen[total] = now
+            samples = list(getattr(stats, field, None) or [])[-new:] if new else []
             if samples:
                 self.sink.observe(METRICS[name], samples, self.labels)
 

@@ -12,6 +12,7 @@ baseline that runs out of memory on a burst of large prefills).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -20,6 +21,8 @@ import torch
 
 from memory.block_manager import BlockManager
 from memory.rank_kv import LEND, MODES, RECLAIM, KVAction, build_rank_kv
+
+LATENCY_SAMPLES = 1024
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,8 @@ class ElasticKV:
         self.mode = "off"
         self.lend_total = self.reclaim_total = self.lend_refused = 0
         self.blocks_migrated = self.preemptions = self.cache_evictions = 0
-        self.lend_latencies: list[float] = []
-        self.reclaim_latencies: list[float] = []
+        self.lend_latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)      # newest samples, never drained:
+        self.reclaim_latencies: deque[float] = deque(maxlen=LATENCY_SAMPLES)   # readers take the last (total - seen)
         block_manager.set_reserve_mapped(False)
         self.set_mode(mode)
 
@@ -170,7 +173,7 @@ class ElasticKV:
 
     # ---- stats ------------------------------------------------------------------------------
     def fill_stats(self, stats) -> None:
-        """Counters and gauges into EngineStats; latency samples are drained (only new ones each call)."""
+        """Counters and gauges into EngineStats, with the newest latency samples (reading consumes nothing)."""
         stats.elastic_mode = self.mode
         stats.reserve_bytes = self.reserve_bytes
         stats.reserve_lent_bytes = self.reserve_bytes if self.bm.reserve_lent else 0
@@ -180,8 +183,7 @@ class ElasticKV:
             self.lend_total, self.reclaim_total, self.lend_refused
         stats.blocks_migrated, stats.elastic_preemptions = self.blocks_migrated, self.preemptions
         stats.reserve_cache_evictions = self.cache_evictions
-        stats.lend_latencies, self.lend_latencies = self.lend_latencies, []
-        stats.reclaim_latencies, self.reclaim_latencies = self.reclaim_latencies, []
+        stats.lend_latencies, stats.reclaim_latencies = list(self.lend_latencies), list(self.reclaim_latencies)
 
 
 def attach_elastic(engine, mode: str, policy: Optional[ElasticPolicy] = None, **build_kw) -> ElasticKV:

@@ -50,8 +50,8 @@ class EngineStats:
     elastic_preemptions: int = 0
     lend_refused: int = 0                  # lends given up: memory not free or a rank failed to map
     reserve_cache_evictions: int = 0       # prefix-cache entries dropped from the reserve at reclaim
-    lend_latencies: list[float] = field(default_factory=list)     # seconds; only samples since the last
-    reclaim_latencies: list[float] = field(default_factory=list)  # get_stats() (drained on each read)
+    lend_latencies: list[float] = field(default_factory=list)     # seconds, the newest samples (bounded);
+    reclaim_latencies: list[float] = field(default_factory=list)  # new ones = the totals' increase
     # speculative decoding
     spec_drafts: int = 0
     spec_draft_tokens: int = 0

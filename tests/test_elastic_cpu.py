@@ -159,8 +159,8 @@ def test_reclaim_migrates_or_preempts_live_reserve_blocks(tiny):
     assert stats.blocks_migrated > 0, "no live reserve block was ever migrated"
     assert stats.elastic_preemptions > 0, "no sequence was ever preempted by a reclaim"
     assert guard.large_steps > 0 and len(stats.reclaim_latencies) == stats.reclaim_total
-    stats = engine.get_stats()
-    assert stats.reclaim_latencies == [] and stats.lend_latencies == []   # drained on read
+    engine.get_stats()                               # reading again does not consume the samples
+    assert len(engine.get_stats().lend_latencies) == stats.lend_total
     check_same(tiny, requests, got, reference(folder, requests))
 
 
