@@ -1,6 +1,7 @@
 """Shared fixtures: a real `tidal serve` (Ray Serve on CPU) for the whole session.
 
-    tidal_server          base URL of `tidal serve --device cpu --replicas 2` (default model), e.g. http://127.0.0.1:PORT
+    tidal_server          base URL of `tidal serve --device cpu --replicas 2` (default model; elastic KV and the fleet
+                          controller on), e.g. http://127.0.0.1:PORT
     tidal_metrics_port    the Ray cluster's Prometheus export port of that server
     tidal_metrics_url     http://127.0.0.1:{tidal_metrics_port}/metrics
     tidal_server_factory  start(*flags) -> ServeProcess: more servers (own Ray cluster each), stopped at session end
@@ -114,7 +115,11 @@ def tidal_server_factory(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tidal_serve_process(tidal_server_factory) -> ServeProcess:
-    return tidal_server_factory("--replicas", "2")
+    # Elastic lending (CPU logical reserve) and the fleet controller run too, so the whole serving stack,
+    # their metrics and their dashboards are exercised; the controller's first round restores the budget.
+    return tidal_server_factory("--replicas", "2", "--elastic", "elastic", "--reserve-blocks", "128",
+                                "--controller", "--controller-interval", "2",
+                                "--knob", "max_num_batched_tokens=4096")
 
 
 @pytest.fixture(scope="session")
