@@ -78,6 +78,10 @@ class EngineConfig:
     enforce_eager: bool = False          # no CUDA graphs
     seed: int = 0
     distributed_backend: str = "auto"    # "auto" | "gloo" | "nccl"
+    speculative: Optional[str] = None    # None | "dominotree" | "chain" | "ddtree" (docs/speculative.md)
+    drafter: Optional[str] = None        # folder saved by DominoDrafter.save
+    spec_budget: int = 16                # draft nodes per request at small batches (the policy may pick 0)
+    allow_random_drafter: bool = False   # tests only: a randomly initialised drafter when `drafter` is None
 
     def with_(self, **kw) -> "EngineConfig":
         return replace(self, **kw)

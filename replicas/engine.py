@@ -10,6 +10,8 @@ import socket
 import time
 from typing import Optional, Union
 
+import torch
+
 from memory.block_manager import BlockManager
 from replicas.config import EngineConfig
 from replicas.distributed.launch import ProcessLauncher, WorkerLauncher
@@ -20,6 +22,7 @@ from replicas.sampler import Sampler, SamplingBatch
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler
 from replicas.sequence import Sequence
+from replicas.spec_verify import verify_round
 from replicas.stats import EngineStats, RequestTimings
 from replicas.step_input import StepInput
 
@@ -74,6 +77,11 @@ class LLMEngine:
         self.stats = EngineStats(kv_blocks_total=num_blocks - reserve)
         self.finished_timings: list[RequestTimings] = []
         self._rng = random.Random(config.seed)
+        self.speculator = None
+        if config.speculative is not None:
+            from replicas.speculation import Speculator
+            self.speculator = Speculator.create(config, self.model_config, self.runner)
+        self.speculation = self.speculator is not None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -114,6 +122,8 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+            if self.speculator is not None:
+                self.speculator.forget(seq)
         return req.make_output()
 
     @property
@@ -124,13 +134,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.elastic is not None:
             self.elastic.before_schedule()      # reclaim before a step whose prefill needs the reserve
+        spec = self.speculator if self.speculation else None
+        self.scheduler.spec_budget = spec.budget(len(self.scheduler.running)) if spec is not None else 0
         batch = self.scheduler.schedule()
         self.stats.preemptions += len(batch.preempted)
         if batch.is_empty:
             return []
-        step = StepInput.from_batch(batch, self.config.block_size)
+        drafted = [i for i in range(len(batch.seqs)) if batch.num_drafts(i)]
+        tree, rows = spec.propose([batch.seqs[i] for i in drafted], batch.num_drafts(drafted[0])) \
+            if drafted else (None, [])
+        step = StepInput.from_batch(batch, self.config.block_size, dict(zip(drafted, rows)),
+                                    spec.aux_layers if spec is not None else ())
         logits = self.runner.execute(step)
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted)
         tokens, out = [], None
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
@@ -138,14 +155,28 @@ class LLMEngine:
                 [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
                 _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),
                 self.eos_token_ids, self.model_config.vocab_size, logits.device)
-            out = self.sampler(logits, sb)
+            out = self.sampler(logits if not drafted else logits[plain_rows], sb)
             tokens = out.token_ids.tolist()
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        aux = self.runner.last_aux_hidden if spec is not None else None
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if batch.num_drafts(i):
+                continue
             before = seq.num_computed_tokens
+            if aux:
+                q0 = int(step.query_start_loc[i])
+                spec.observe(seq, spec.target_hidden(aux, torch.arange(q0, q0 + n)), list(range(before, before + n)))
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, before)
+        if drafted:
+            seqs = [batch.seqs[i] for i in drafted]
+            token_rows = torch.cat([torch.arange(int(step.query_start_loc[i]), int(step.query_start_loc[i + 1]))
+                                    for i in drafted])
+            verify_round(self, seqs, tree, rows, logits[spec_rows], spec.target_hidden(aux, token_rows) if aux
+                         else None, now)
+            for seq in seqs:
+                touched[seq.request_id] = self.requests[seq.request_id]
         for row, i in enumerate(sampling):
             seq = batch.seqs[i]
             self._append_token(seq, tokens[row], out, row, now)
@@ -160,6 +191,20 @@ class LLMEngine:
             elif req.stream:
                 outputs.append(req.make_output())
         return outputs
+
+    @staticmethod
+    def _logit_rows(batch, sampling: list[int], drafted: list[int]) -> tuple[list[int], list[int]]:
+        """Logit rows (batch order: one per sampling sequence, 1+N per speculative one) of each kind."""
+        plain, spec, row = [], [], 0
+        on, drafts = set(sampling), set(drafted)
+        for i in range(len(batch.seqs)):
+            if i in drafts:
+                spec.extend(range(row, row + batch.num_new_tokens[i]))
+                row += batch.num_new_tokens[i]
+            elif i in on:
+                plain.append(row)
+                row += 1
+        return plain, spec
 
     def _append_token(self, seq: Sequence, token: int, out, row: int, now: float) -> None:
         seq.token_ids.append(token)
@@ -216,6 +261,8 @@ class LLMEngine:
         del self.requests[req.request_id]
         self.stats.requests_finished += 1
         for seq in req.seqs:
+            if self.speculator is not None:
+                self.speculator.forget(seq)
             self.finished_timings.append(RequestTimings(
                 request_id=req.request_id, arrival_time=seq.arrival_time,
                 scheduled_time=seq.first_scheduled_time or seq.arrival_time,
@@ -240,10 +287,13 @@ class LLMEngine:
                 self.elastic.set_mode(elastic)
             elif elastic != "off":
                 raise ValueError("elastic KV needs an engine started with elastic='elastic'")
-        if speculation:
-            raise ValueError("speculative decoding is not available on this engine")
+        if speculation is not None:
+            if speculation and self.speculator is None:
+                raise ValueError("speculative decoding needs an engine started with speculative=... and a drafter")
+            self.speculation = bool(speculation)
         return {"max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
-                "elastic": self.elastic.mode if self.elastic is not None else "off", "speculation": False}
+                "elastic": self.elastic.mode if self.elastic is not None else "off",
+                "speculation": self.speculation}
 
     def get_stats(self) -> EngineStats:
         s = self.stats

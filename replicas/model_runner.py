@@ -73,6 +73,7 @@ class ModelRunner:
         self.kv = None                       # memory.rank_kv.RankKV when elastic KV is on
         self.num_kv_blocks = 0
         self.graphs = None
+        self.last_aux_hidden: list[torch.Tensor] = []
         self.backend = self._make_backend()
         for layer in self._attention_layers():
             layer.backend = self.backend
@@ -242,6 +243,19 @@ class ModelRunner:
         sample = torch.from_numpy(step.sample_indices).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[sample])
         return None if logits is None else logits.float()
+
+    @torch.inference_mode()
+    def compact_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy the K/V of cache slots `src_slots` to `dst_slots` in every layer (a speculative round keeps its
+        accepted nodes' KV at contiguous positions). Sources are read before any destination is written."""
+        if not src_slots:
+            return
+        bs = self.block_size
+        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
+        sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
+        for cache in self.kv_caches:
+            cache[db, :, do] = cache[sb, :, so]
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Rank 0: send the step to the other ranks, then run it here."""

@@ -19,6 +19,10 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     preempted: list[Sequence] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)   # per sequence: draft-tree nodes verified (0 = plain row)
+
+    def num_drafts(self, i: int) -> int:
+        return self.drafts[i] if self.drafts else 0
 
     @property
     def num_tokens(self) -> int:
@@ -29,8 +33,11 @@ class ScheduledBatch:
         return not self.seqs
 
     def samples(self, i: int) -> bool:
-        """Sequence i reaches the end of its known tokens in this step, so it samples one."""
+        """Sequence i reaches the end of its known tokens in this step, so it samples one (speculative rows
+        sample per tree node instead)."""
         seq = self.seqs[i]
+        if self.num_drafts(i):
+            return False
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
 
 
@@ -52,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.spec_budget = 0          # draft nodes per decoding sequence this step (set by the engine)
 
     def set_budget(self, max_num_batched_tokens: int) -> None:
         """Takes effect at the next step."""
@@ -78,13 +86,15 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
+        drafts: list[int] = []
         bm = self.block_manager
 
         running = list(self.running)
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            d = self._drafts(seq, budget)
+            n = 1 + d if d else min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
                 victim = running.pop()              # newest first
                 self.running.remove(victim)
@@ -96,6 +106,7 @@ class Scheduler:
                 bm.allocate(seq, n)
                 seqs.append(seq)
                 counts.append(n)
+                drafts.append(d)
                 budget -= n
                 i += 1
 
@@ -118,8 +129,19 @@ class Scheduler:
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
+            drafts.append(0)
             budget -= n
-        return ScheduledBatch(seqs, counts, preempted)
+        return ScheduledBatch(seqs, counts, preempted, drafts)
+
+    def _drafts(self, seq: Sequence, budget: int) -> int:
+        """A decoding sequence (past its first sampled token) verifies `spec_budget` draft nodes after its root,
+        in slots root .. root + spec_budget of its own table, if the token budget, free blocks and the context
+        length allow all of them; otherwise it decodes plainly."""
+        d = self.spec_budget
+        if (d == 0 or seq.num_uncomputed_tokens != 1 or seq.num_output_tokens < 1 or 1 + d > budget
+                or seq.num_tokens + d > self.max_model_len or not self.block_manager.can_allocate(seq, 1 + d)):
+            return 0
+        return d
 
     def lookahead(self) -> Lookahead:
         """The next step's prefill demand: unfinished prompts/recomputes of running and waiting sequences."""

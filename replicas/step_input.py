@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -26,13 +26,26 @@ class StepInput:
         return int(self.input_ids.shape[0])
 
     @staticmethod
-    def from_batch(batch: ScheduledBatch, block_size: int) -> "StepInput":
+    def from_batch(batch: ScheduledBatch, block_size: int, trees: Optional[Mapping[int, "TreeRow"]] = None,
+                   aux_layers: tuple[int, ...] = ()) -> "StepInput":
+        """trees: batch index -> the draft tree that speculative row verifies ([root, nodes] in the scratch
+        slots root .. root + N of its table, at positions root + depth + 1, every row's logits kept)."""
         # Decodes (one new token) are the common row: plain Python scalars, no per-row numpy.
         ids, pos, slots, qsl, lens, sample = [], [], [], [0], [], []
         tables = [seq.block_table for seq in batch.seqs]
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             table = tables[i]
+            if trees and i in trees:
+                row = trees[i]
+                ids.append(seq.token_ids[start])
+                ids.extend(row.tokens)
+                pos.extend(start + o for o in row.offsets)
+                slots.extend(table[t // block_size] * block_size + t % block_size for t in range(start, start + n))
+                qsl.append(qsl[-1] + n)
+                lens.append(start + n)
+                sample.extend(range(qsl[-2], qsl[-1]))
+                continue
             if n == 1:
                 ids.append(seq.token_ids[start])
                 pos.append(start)
@@ -54,4 +67,22 @@ class StepInput:
             input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(pos, dtype=np.int64),
             slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=np.asarray(qsl, dtype=np.int32),
             seq_lens=np.asarray(lens, dtype=np.int32), block_tables=block_tables,
-            sample_indices=np.asarray(sample, dtype=np.int64))
+            sample_indices=np.asarray(sample, dtype=np.int64),
+            tree_mask=_tree_mask(batch, trees) if trees else None, aux_layers=tuple(aux_layers))
+
+
+@dataclass
+class TreeRow:
+    tokens: list[int]          # N draft tokens (node order)
+    offsets: list[int]         # 1+N positions relative to the root (root 0, node depth + 1)
+    mask: np.ndarray           # [1+N, 1+N] bool: slot i sees slot j (itself and its ancestors)
+
+
+def _tree_mask(batch: ScheduledBatch, trees: Mapping[int, TreeRow]) -> np.ndarray:
+    """[B, Q, Q] over each row's new tokens: the tree rows' masks, causal for the other rows."""
+    q = max(batch.num_new_tokens)
+    mask = np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (len(batch.seqs), q, q)).copy()
+    for i, row in trees.items():
+        m = row.mask.shape[0]
+        mask[i, :m, :m] = row.mask
+    return mask
