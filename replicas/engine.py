@@ -10,8 +10,6 @@ import socket
 import time
 from typing import Optional, Union
 
-import torch
-
 from memory.block_manager import BlockManager
 from replicas.config import EngineConfig
 from replicas.distributed.launch import ProcessLauncher, WorkerLauncher
@@ -147,7 +145,7 @@ class LLMEngine:
                                     spec.aux_layers if spec is not None else ())
         logits = self.runner.execute(step)
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted)
+        plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted) if drafted else ([], [])
         tokens, out = [], None
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
@@ -165,18 +163,14 @@ class LLMEngine:
                 continue
             before = seq.num_computed_tokens
             if aux:
-                q0 = int(step.query_start_loc[i])
-                spec.observe(seq, spec.target_hidden(aux, torch.arange(q0, q0 + n)), list(range(before, before + n)))
+                spec.observe_rows(seq, aux, int(step.query_start_loc[i]), before, n)
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, before)
         if drafted:
             seqs = [batch.seqs[i] for i in drafted]
-            token_rows = torch.cat([torch.arange(int(step.query_start_loc[i]), int(step.query_start_loc[i + 1]))
-                                    for i in drafted])
-            verify_round(self, seqs, tree, rows, logits[spec_rows], spec.target_hidden(aux, token_rows) if aux
-                         else None, now)
-            for seq in seqs:
-                touched[seq.request_id] = self.requests[seq.request_id]
+            first_rows = [int(step.query_start_loc[i]) for i in drafted]
+            verify_round(self, seqs, tree, rows, logits[spec_rows], aux, first_rows, now)
+            touched.update((s.request_id, self.requests[s.request_id]) for s in seqs)
         for row, i in enumerate(sampling):
             seq = batch.seqs[i]
             self._append_token(seq, tokens[row], out, row, now)

@@ -47,9 +47,9 @@ class _PathHistory:
 
 
 def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, rows: list[TreeRow],
-                 logits: torch.Tensor, hidden: torch.Tensor, now: float) -> None:
-    """seqs: the speculative rows of this step; logits [len(seqs) * (1+N), V] request-major; hidden: their
-    target hidden states in the same row order (None when the drafter context is not kept)."""
+                 logits: torch.Tensor, aux: list[torch.Tensor], first_rows: list[int], now: float) -> None:
+    """seqs: the speculative rows of this step; logits [len(seqs) * (1+N), V] request-major; aux: the step's
+    target hidden states (runner.last_aux_hidden); first_rows: each sequence's first token row in the step."""
     width = len(rows[0].offsets)
     parents = tree.parents.tolist()
     params = [s.params for s in seqs for _ in range(width)]
@@ -89,7 +89,7 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
             if s != d:
                 src.append(table[s // bs] * bs + s % bs)
                 dst.append(table[d // bs] * bs + d % bs)
-        kept.append((seq, root, k, [b * width + s for s in slots[:k + 1]]))
+        kept.append((seq, root, k, [first_rows[b] + s for s in slots[:k + 1]]))
     if src:
         engine.runner.call_all("compact_kv", src, dst)
     bm = engine.block_manager
@@ -97,9 +97,8 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
         seq.num_computed_tokens = root + 1 + k
         bm.commit_full_blocks(seq, root)
         release_tail(bm, seq, -(-seq.num_tokens // bs))
-        if hidden is not None:
-            engine.speculator.observe(seq, hidden[torch.tensor(hidden_rows, device=hidden.device)],
-                                      [root + j for j in range(k + 1)])
+        spec = engine.speculator
+        spec.observe(seq, spec.target_hidden(aux, torch.tensor(hidden_rows)), [root + j for j in range(k + 1)])
 
 
 def release_tail(bm, seq: Sequence, keep: int) -> None:

@@ -87,6 +87,11 @@ class Speculator:
         """[len(rows), layers * hidden] in the drafter's layer order, from the runner's `last_aux_hidden`."""
         return torch.cat([aux[j][rows] for j in self._aux_order], -1)
 
+    def observe_rows(self, seq: Sequence, aux: list[Tensor], first_row: int, first_position: int, n: int) -> None:
+        """A plain row of the step: its n computed tokens, from step row `first_row`, at first_position..+n-1."""
+        rows = torch.arange(first_row, first_row + n)
+        self.observe(seq, self.target_hidden(aux, rows), list(range(first_position, first_position + n)))
+
     @torch.inference_mode()
     def observe(self, seq: Sequence, hidden: Tensor, positions: list[int]) -> None:
         """Append computed tokens' hidden states [T, C] at absolute `positions` (ascending) to seq's context."""

@@ -130,6 +130,28 @@ def test_stops_inside_an_accepted_run_match_plain(tiny, monkeypatch):
         llm.shutdown()
 
 
+def test_penalties_min_tokens_and_logprobs_see_the_path(tiny, monkeypatch):
+    """Node rows are processed with the output history extended by their path: a perfect drafter under
+    penalties accepts long runs and reproduces plain decoding, logprobs included."""
+    folder, hf, plain = tiny
+    prompts = prompts_for(hf.config.vocab_size, seed=5)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.5, presence_penalty=0.5,
+                            frequency_penalty=0.3, min_tokens=6, logprobs=2)
+    ref = plain.generate(prompts, params)
+    perfect_propose(monkeypatch, {tuple(p): p + r.outputs[0].token_ids for p, r in zip(prompts, ref)})
+    llm = spec_llm(folder, spec_budget=8)
+    try:
+        out = llm.generate(prompts, params)
+        assert llm.engine.get_stats().spec_accepted_tokens / llm.engine.get_stats().spec_drafts > 1
+    finally:
+        llm.shutdown()
+    for a, b in zip(out, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
 def test_sampling_is_seeded_and_follows_the_target(tiny, monkeypatch):
     """Joint law of the first 2 tokens (top_k=4, so 16 cells) against HF's probabilities. The tree proposes
     the target's 2 most likely tokens as children of the root: the second token is an accepted node about
