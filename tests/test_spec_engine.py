@@ -1,13 +1,17 @@
 """Speculative decoding inside the engine, on CPU: greedy parity with plain decoding (random and perfect
 drafters), the target's law at T>0, stops inside an accepted run, and KV blocks all given back."""
+import json
 import math
+import os
 
 import pytest
 import torch
 
 from checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
+from replicas.config import ModelConfig
 from replicas.speculation import Speculator, tree_rows
+from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.tree import DraftTree
 from support.greedy import compare_greedy
 
@@ -216,3 +220,22 @@ def test_reconfigure_turns_speculation_off_and_on(tiny):
         plain.engine.reconfigure(speculation=True)
     with pytest.raises(ValueError, match="drafter"):
         LLM(model=folder, speculative="dominotree", **ENGINE)
+
+
+def test_saved_drafter_under_preemption_matches_plain(tiny, tmp_path):
+    """A drafter loaded from its folder; a KV cache so small that sequences are preempted mid-speculation (their
+    drafter context is cut back and rebuilt on recompute) and tree scratch blocks are given back."""
+    folder, hf, plain = tiny
+    with open(os.path.join(folder, "config.json")) as f:
+        DominoDrafter(DrafterConfig.for_target(ModelConfig.from_hf(json.load(f)))).save(str(tmp_path / "d"))
+    prompts = prompts_for(hf.config.vocab_size, seed=6)
+    want = generate_ids(plain, prompts, GREEDY)
+    llm = LLM(model=folder, speculative="dominotree", drafter=str(tmp_path / "d"), **{**ENGINE, "num_kv_blocks": 14})
+    try:
+        got = generate_ids(llm, prompts, GREEDY)
+        stats = llm.engine.get_stats()
+        assert stats.preemptions > 0 and stats.spec_drafts > 0
+        assert llm.engine.block_manager.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+    compare_greedy(prompts, got, want, last_logits_fn(hf))
