@@ -44,6 +44,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="lend the prefill-activation reserve to the KV pool during decode (docs/elastic-kv.md)")
     p.add_argument("--reserve-blocks", type=int, default=None,
                    help="CPU only: size of the (logical) elastic reserve in KV blocks; GPUs size it by profiling")
+    p.add_argument("--speculative", choices=("dominotree", "chain", "ddtree"), default=None,
+                   help="speculative decoding with a drafter (docs/speculative.md); needs --drafter")
+    p.add_argument("--drafter", default=None, help="folder of a trained drafter (DominoDrafter.save)")
+    p.add_argument("--spec-budget", type=int, default=None, help="draft tree nodes per sequence and step (max)")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="initial runtime knob (Serve user_config), e.g. max_num_batched_tokens=1024; repeatable")
     p.add_argument("--controller", action="store_true",
@@ -55,8 +59,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {"elastic": args.elastic}
-    if args.reserve_blocks is not None:
-        kw["reserve_blocks"] = args.reserve_blocks
+    optional = {"reserve_blocks": args.reserve_blocks, "speculative": args.speculative, "drafter": args.drafter,
+                "spec_budget": args.spec_budget}
+    kw.update({k: v for k, v in optional.items() if v is not None})
     return kw
 
 
