@@ -153,8 +153,15 @@ class BlockManager:
             parent = block.hash
 
     def free(self, seq: Sequence) -> None:
-        # Tail first, so that under LRU the shared prefix outlives the sequence's own suffix.
-        for block_id in reversed(seq.block_table):
+        self.truncate(seq, 0)
+        seq.num_computed_tokens = 0
+
+    def truncate(self, seq: Sequence, keep: int) -> None:
+        """Give back the sequence's blocks past its first `keep` (all of them for `free`; the tree scratch
+        a speculative round did not accept). Tail first, so that under LRU the shared prefix outlives the
+        sequence's own suffix."""
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0
@@ -162,8 +169,6 @@ class BlockManager:
                 if block.hash is None or not self.enable_prefix_caching:
                     block.hash, block.token_ids = None, None
                 (self.free_reserve if self.is_reserve(block_id) else self.free_base)[block_id] = None
-        seq.block_table = []
-        seq.num_computed_tokens = 0
 
     # ---- elastic reserve protocol -----------------------------------------------------------
     def set_reserve_mapped(self, mapped: bool) -> None:

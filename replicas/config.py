@@ -1,7 +1,7 @@
 """Typed, frozen configuration. Runtime state (block counts, graph sizes) lives elsewhere."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 

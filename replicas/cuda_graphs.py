@@ -66,7 +66,6 @@ class DecodeGraphs:
         """Replays the bucket's graph; returns the final hidden states of the first b lanes."""
         b = step.num_tokens
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        dev = self.device
         self.input_ids[:b].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
         self.positions[:b].copy_(torch.from_numpy(step.positions), non_blocking=True)
         self.slot_mapping[:b].copy_(torch.from_numpy(step.slot_mapping), non_blocking=True)

@@ -5,6 +5,7 @@ engine -> scheduler -> block manager -> model runner -> model -> sampler: five h
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from functools import partial
 import socket
 import time
@@ -44,10 +45,8 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.model_config = checkpoint.model_config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
-        gen_eos = checkpoint.generation_config.get("eos_token_id")
-        eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        self.eos_token_ids = tuple(sorted(eos))
+        # the loader already merged generation_config's EOS ids into both
+        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)))
 
         tp = config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}" if tp > 1 else None
@@ -135,7 +134,6 @@ class LLMEngine:
         spec = self.speculator if self.speculation else None
         self.scheduler.spec_budget = spec.budget(len(self.scheduler.running)) if spec is not None else 0
         batch = self.scheduler.schedule()
-        self.stats.preemptions += len(batch.preempted)
         if batch.is_empty:
             return []
         drafted = [i for i in range(len(batch.seqs)) if batch.num_drafts(i)]
@@ -290,7 +288,9 @@ class LLMEngine:
                 "speculation": self.speculation}
 
     def get_stats(self) -> EngineStats:
-        s = self.stats
+        """A snapshot: the engine's counters with the current gauges (readers never see it move)."""
+        s = replace(self.stats, spec_accepted_by_position=list(self.stats.spec_accepted_by_position))
+        s.preemptions = self.scheduler.num_preemptions      # recompute preemptions, elastic reclaims included
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_blocks_total = self.block_manager.num_usable_blocks

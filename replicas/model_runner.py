@@ -7,7 +7,6 @@ and rank 0 gets the full-vocabulary logits of the sampling rows.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch

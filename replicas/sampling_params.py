@@ -1,7 +1,7 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 

@@ -96,17 +96,6 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
     for seq, root, k, hidden_rows in kept:
         seq.num_computed_tokens = root + 1 + k
         bm.commit_full_blocks(seq, root)
-        release_tail(bm, seq, -(-seq.num_tokens // bs))
+        bm.truncate(seq, -(-seq.num_tokens // bs))
         spec = engine.speculator
         spec.observe(seq, spec.target_hidden(aux, torch.tensor(hidden_rows)), [root + j for j in range(k + 1)])
-
-
-def release_tail(bm, seq: Sequence, keep: int) -> None:
-    """Give back the sequence's blocks past the first `keep` (tree scratch the accepted path did not reach).
-    Such blocks hold no committed token, so they are never in the prefix cache."""
-    while len(seq.block_table) > keep:
-        block_id = seq.block_table.pop()
-        block = bm.blocks[block_id]
-        block.ref_count -= 1
-        assert block.ref_count == 0 and block.hash is None
-        (bm.free_reserve if bm.is_reserve(block_id) else bm.free_base)[block_id] = None

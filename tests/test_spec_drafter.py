@@ -3,7 +3,6 @@ drafter trained on a copy task drafts whole blocks the target accepts), training
 import json
 import random
 
-import pytest
 import torch
 
 from speculative.acceptance import accept

@@ -23,7 +23,8 @@ class TorchAttentionBackend:
         b = ctx.batch
         dev = b.seq_lens.device
         decode = [i for i, q in enumerate(qlens) if q == 1 and b.tree_mask is None]
-        other = [i for i in range(len(qlens)) if i not in set(decode)]
+        decode_set = set(decode)
+        other = [i for i in range(len(qlens)) if i not in decode_set]
         st: dict = {"decode_rows": None, "prefill": []}
         if decode:
             max_len = max(slens[i] for i in decode)
