@@ -77,13 +77,14 @@ def release_memory() -> None:
 
 
 # ---- vmm -----------------------------------------------------------------------------------------------
-def time_pool(num_layers: int, reserve_bytes_per_layer: int, release_after_map: bool, reps: int = 30) -> dict:
+def time_pool(num_layers: int, reserve_bytes_per_layer: int, release_after_map: bool, reps: int = 30,
+              unmap_threads: int = 1) -> dict:
     gran = allocation_granularity(torch.cuda.current_device())
     block = (2, 16, 8, 128)                                   # 64 KiB of bf16 per block per layer
     block_bytes = 2 * 16 * 8 * 128 * 2
     layout = VmmLayout.fit(block_bytes, gran, gran // block_bytes, reserve_bytes_per_layer // block_bytes)
     pool = VmmKVPool(torch.device("cuda", torch.cuda.current_device()), layout, num_layers, block, torch.bfloat16,
-                     release_after_map)
+                     release_after_map, unmap_threads)
     commit, decommit, phases = [], [], {}
     try:
         for i in range(reps + 3):
@@ -101,8 +102,42 @@ def time_pool(num_layers: int, reserve_bytes_per_layer: int, release_after_map: 
     finally:
         pool.close()
     return {"layers": num_layers, "reserve_bytes": pool.reserve_bytes, "release_after_map": release_after_map,
+            "unmap_threads": unmap_threads,
             "commit_ms": ms_stats(commit), "decommit_ms": ms_stats(decommit),
             "phases_median_ms": {k: round(float(np.median(v)) * 1e3, 3) for k, v in phases.items()}}
+
+
+def time_one_range(nbytes: int, reps: int = 30) -> dict:
+    """The driver's floor for the same bytes in ONE handle and ONE mapping (what a block-major layout, all
+    layers' reserve contiguous, would pay): create + map + set access, then unmap (handle released at map)."""
+    from memory.vmm import _check, _device_prop, cu
+    index = torch.cuda.current_device()
+    gran = allocation_granularity(index)
+    nbytes = nbytes // gran * gran
+    prop = _device_prop(index)
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = index
+    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    torch.cuda.synchronize()
+    va = int(_check(cu.cuMemAddressReserve(nbytes, gran, 0, 0), "cuMemAddressReserve"))
+    commit, decommit = [], []
+    try:
+        for i in range(reps + 3):
+            t0 = time.perf_counter()
+            h = _check(cu.cuMemCreate(nbytes, prop, 0), "cuMemCreate")
+            _check(cu.cuMemMap(va, nbytes, 0, h, 0), "cuMemMap")
+            _check(cu.cuMemSetAccess(va, nbytes, [desc], 1), "cuMemSetAccess")
+            _check(cu.cuMemRelease(h), "cuMemRelease")
+            t1 = time.perf_counter()
+            _check(cu.cuMemUnmap(va, nbytes), "cuMemUnmap")
+            t2 = time.perf_counter()
+            if i >= 3:
+                commit.append(t1 - t0)
+                decommit.append(t2 - t1)
+    finally:
+        cu.cuMemAddressFree(va, nbytes)
+    return {"reserve_bytes": nbytes, "commit_ms": ms_stats(commit), "decommit_ms": ms_stats(decommit)}
 
 
 def section_vmm(args, out: dict) -> None:
@@ -111,8 +146,9 @@ def section_vmm(args, out: dict) -> None:
     reserve = out.get("reserve_bytes_tp1")
     layers = SHAPES[args.model]["num_hidden_layers"]
     if reserve:
-        rows += [time_pool(layers, reserve // layers, True)]
-    best = rows[-1] if reserve else rows[0]
+        rows += [time_pool(layers, reserve // layers, True, unmap_threads=t) for t in (1, 4, 8)]
+        out["vmm_one_range"] = time_one_range(reserve)
+    best = (min(rows[2:], key=lambda r: r["decommit_ms"]["median"]) if reserve else rows[0])
     out.update(vmm=rows, decommit_ms=best["decommit_ms"]["median"], recommit_ms=best["commit_ms"]["median"],
                vmm_note=("decommit_ms/recommit_ms: the model's measured reserve" if reserve else
                          "decommit_ms/recommit_ms: 16 GiB over 36 layers (run 'sizing' first for the model's)"),

@@ -6,7 +6,8 @@ Workload (nano-vllm / mini-sglang): 256 sequences, input and output lengths unif
 token ids, ignore_eos, seed 0; a warm-up generate of 8 short sequences first. Throughput counts generated
 tokens only, over the wall time of one `LLM.generate` call (scheduling, sampling and Python included).
 Random bf16 weights for the Qwen3-0.6B and Llama-3-8B shapes; SmolLM2-135M's real GGUF weights.
-Roofline: decode step = one graph-replayed forward of B sequences at a fixed context, counted bytes =
+Roofline: decode step = one graph-replayed forward of B sequences (B = 64, 128, 256; the profiled one is
+64, the workload's own steady state is 256 running) at a fixed context, counted bytes =
 every weight once + the K/V of every context token once; prefill = one 8192-token chunk, counted FLOPs =
 2 x params x tokens + causal attention (2 x 2 x T^2/2 x heads x head_dim per layer). Both against a copy
 and a matmul measured in the same run (bench/roofline.py). HF transformers `generate` runs a 32-sequence
@@ -92,20 +93,37 @@ def time_step(runner, step, iters=20) -> float:
     return cuda_time_ms(lambda: runner.execute(step), iters=iters) * 1e-3
 
 
-def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefill_tokens: int) -> dict:
+def decode_point(llm: LLM, ceil: Ceilings, batch_size: int, ctx: int) -> dict:
+    """One graph-replayed decode step of `batch_size` sequences at context `ctx`, as a fraction of copy BW."""
+    engine, runner = llm.engine, llm.engine.runner
+    mc = engine.model_config
+    elem = torch.tensor([], dtype=runner.dtype).element_size()
+    kv_bytes = batch_size * ctx * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * elem
+    wbytes = weight_bytes(runner.model)
+    batch, seqs = fake_batch(engine, batch_size, ctx, 1)
+    step = StepInput.from_batch(batch, engine.config.block_size)
+    t = time_step(runner, step)
+    release(engine, seqs)
+    return {"batch": batch_size, "ctx": ctx, "step_ms": t * 1e3, "bytes": wbytes + kv_bytes,
+            "bw_fraction": (wbytes + kv_bytes) / t / ceil.copy_bytes_per_s,
+            "graphs": runner.graphs is not None and runner.graphs.can_run(step)}
+
+
+def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefill_tokens: int,
+             decode_batches: tuple[int, ...] = ()) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     mc, model = engine.model_config, runner.model
     wbytes = weight_bytes(model)
     elem = torch.tensor([], dtype=runner.dtype).element_size()
     kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * elem
-    out = {"weight_bytes": wbytes}
+    out = {"weight_bytes": wbytes,
+           "decode_by_batch": [decode_point(llm, ceil, b, decode_ctx) for b in decode_batches]}
+    head = decode_point(llm, ceil, decode_batch, decode_ctx)
+    out.update(decode_batch=decode_batch, decode_ctx=decode_ctx, decode_step_ms=head["step_ms"],
+               decode_bytes=head["bytes"], decode_bw_fraction=head["bw_fraction"], decode_graphs=head["graphs"])
     batch, seqs = fake_batch(engine, decode_batch, decode_ctx, 1)
     step = StepInput.from_batch(batch, engine.config.block_size)
-    t = time_step(runner, step)
     kv_bytes = decode_batch * decode_ctx * kv_per_token
-    out.update(decode_batch=decode_batch, decode_ctx=decode_ctx, decode_step_ms=t * 1e3,
-               decode_bytes=wbytes + kv_bytes, decode_bw_fraction=(wbytes + kv_bytes) / t / ceil.copy_bytes_per_s,
-               decode_graphs=runner.graphs is not None and runner.graphs.can_run(step))
     lin_flops = 2 * (wbytes / elem) * decode_batch
     attn_flops = 4 * decode_batch * decode_ctx * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
     out["decode_top_kernels_ms"], out["prefill_top_kernels_ms"] = [], []
@@ -174,7 +192,8 @@ def bench_shape(shape: str, args, ceil: Ceilings) -> dict:
          "cuda_graphs": llm.engine.runner.graphs is not None}
     r.update(offline_throughput(llm, prompts, lens))
     if shape in SHAPES and not reference:
-        r.update(roofline(llm, ceil, decode_batch=64, decode_ctx=1024, prefill_tokens=8192))
+        r.update(roofline(llm, ceil, decode_batch=args.decode_batch, decode_ctx=1024, prefill_tokens=8192,
+                          decode_batches=tuple(int(b) for b in args.decode_batches.split(",") if b)))
     print(f"[{shape}] {r['output_tok_s']:.0f} output tok/s on {r['kv_blocks']} KV blocks", flush=True)
     llm.shutdown()
     del llm
@@ -194,6 +213,8 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="also run bench.attention_kernels (no sweep)")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
                     help="torch: the reference backend, eager (the starting point), throughput only")
+    ap.add_argument("--decode-batch", type=int, default=64, help="the decode step profiled and reported")
+    ap.add_argument("--decode-batches", default="64,128,256", help="decode steps also timed (same context)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
@@ -236,6 +257,10 @@ def report(res: dict) -> None:
         print(f"{shape:<12}{f('output_tok_s', '.0f'):>11}{f('decode_step_ms', '.2f'):>11}"
               f"{f('decode_bw_fraction', '.2f'):>8}{f('prefill_step_ms', '.1f'):>12}"
               f"{f('prefill_matmul_fraction', '.2f'):>9}{f('throughput_vs_hf', '.1f'):>8}")
+    for shape, r in res["shapes"].items():
+        for p in r.get("decode_by_batch", []):
+            print(f"{shape} decode B={p['batch']:<4} ctx={p['ctx']}: {p['step_ms']:.2f} ms, "
+                  f"{p['bw_fraction']:.3f} of copy BW, graphs={p['graphs']}")
     for k in ("decode_bw_fraction", "prefill_matmul_fraction", "attention_decode_bw_fraction",
               "tree_mask_overhead", "throughput_vs_hf"):
         print(f"{k}: {res.get(k)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,7 @@ class VmmKVPool:
     """One KV tensor per layer, [num_base + num_reserve, *block_shape], over a fixed virtual range."""
 
     def __init__(self, device: torch.device, layout: VmmLayout, num_layers: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, release_after_map: bool = True):
+                 dtype: torch.dtype, release_after_map: bool = True, unmap_threads: int = 1):
         _require_driver()
         elem = torch.tensor([], dtype=dtype).element_size()
         assert math.prod(block_shape) * elem == layout.block_bytes, "block shape does not match the layout"
@@ -131,6 +132,11 @@ class VmmKVPool:
         self._reserve_handles: list = []
         self.mapped = False
         self.timings: dict[str, float] = {}       # seconds per phase of the last map/unmap
+        # Unmapping frees the reserve page by page in the driver; spread over threads (each with the context
+        # current) the layers are freed concurrently.
+        self._unmap_pool = (ThreadPoolExecutor(unmap_threads, initializer=self._make_current)
+                            if unmap_threads > 1 else None)
+        self.unmap_threads = unmap_threads
         try:
             for _ in range(num_layers):
                 base = int(_check(cu.cuMemAddressReserve(layout.range_bytes, layout.granularity, 0, 0),
@@ -230,8 +236,11 @@ class VmmKVPool:
         size, unmap, release, ok = self.layout.reserve_handle_bytes, cu.cuMemUnmap, cu.cuMemRelease, \
             cu.CUresult.CUDA_SUCCESS
         t0 = time.perf_counter()
-        for ptr in self._reserve_ptrs:
-            err, = unmap(ptr, size)
+        if self._unmap_pool is None:
+            results = [unmap(ptr, size) for ptr in self._reserve_ptrs]
+        else:
+            results = list(self._unmap_pool.map(lambda ptr: unmap(ptr, size), self._reserve_ptrs))
+        for err, in results:
             if err != ok:
                 _check((err,), "cuMemUnmap (reserve)")
         t1 = time.perf_counter()
@@ -247,6 +256,9 @@ class VmmKVPool:
         if cu is None or not hasattr(self, "_ctx"):
             return
         self._make_current()
+        if getattr(self, "_unmap_pool", None) is not None:
+            self._unmap_pool.shutdown()
+            self._unmap_pool = None
         if getattr(self, "caches", None) is not None:
             torch.cuda.synchronize(self.device)
         self.caches = []

