@@ -1,0 +1,351 @@
+"""Serve overhead benchmark: what Ray Serve adds over calling the engine in-process, with the same requests.
+
+    python -m bench.serve_overhead [--model PATH|SHAPE] [--load-format auto|dummy] [--device cuda|cpu]
+        [--num-prompts 256] [--max-tokens 128] [--concurrency 64] [--out bench/results/serve_overhead.json]
+
+Workload: prompts of --input-len random token ids (uniform in [100, vocab - 100), seed 0), each generating
+exactly --max-tokens tokens (temperature 0, ignore_eos). Three disjoint prompt sets (warm-up, idle, loaded),
+so no measured prompt finds an earlier one in the prefix cache. Both paths take their SamplingParams from the
+same /v1/completions body (`CompletionRequest.sampling_params()`: detokenization included) and run the
+EngineConfig that `tidal serve` builds from the same flags (1 replica, TP 1, elastic off, default knobs).
+Direct: the in-process AsyncLLMEngine; TTFT = `generate()` entered -> first output carrying a token id;
+tokens = the token ids streamed. Serve: `tidal serve --replicas 1 --tp 1` in a subprocess with its own local
+Ray cluster; POST /v1/completions, stream=true, over one keep-alive aiohttp session in this process; TTFT =
+POST sent (body already encoded) -> first SSE chunk holding a choice (a token, even if its text is still
+empty); tokens = the usage chunk's completion_tokens. The client only scans SSE lines for fixed byte patterns
+and parses JSON once per request (the usage chunk): a small cost per chunk, the same for every request.
+Each path: the warm-up set (all at once), then the idle set one request at a time (concurrency 1), then the
+loaded set in a closed loop of --concurrency streams. Throughput = output tokens / wall time from the first
+send to the last token. The direct engine runs first and is freed before the server starts. process_cpu_s:
+this process's CPU time during a run: engine and callers on the direct path, only the HTTP client on the
+Serve path (close to `seconds` would mean the client, not Serve, set the Serve figure).
+JSON keys ending in _c64 / _64 hold the --concurrency level (64 by default; `concurrency` records it).
+Targets: added median TTFT <= 5 ms, Serve/direct output throughput >= 0.90 at 64 streams.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, Optional
+
+import aiohttp
+import torch
+
+from cluster.app import AppArgs, engine_config
+from cluster.benchmark.report import Summary
+from cluster.protocol import CompletionRequest
+from replicas.async_engine import AsyncLLMEngine
+from replicas.config import EngineConfig
+
+REPO = Path(__file__).resolve().parent.parent
+TTFT_TARGET_MS = 5.0
+THROUGHPUT_TARGET = 0.90
+READY_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    warmup: list[list[int]]
+    idle: list[list[int]]
+    loaded: list[list[int]]
+    max_tokens: int
+    concurrency: int
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One finished request as the caller saw it."""
+    ttft_s: float
+    tokens: int
+
+
+def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
+    rng = random.Random(args.seed)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)] for _ in range(n)]
+
+    return Workload(prompts(args.warmup), prompts(args.idle_prompts), prompts(args.num_prompts), args.max_tokens,
+                    args.concurrency)
+
+
+def completion_body(model_id: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def closed_loop(send: Callable[[list[int]], Awaitable[Stream]], prompts: list[list[int]],
+                      concurrency: int) -> tuple[list[Stream], float, float]:
+    """Every prompt once, `concurrency` in flight; returns the streams, first send -> last token seconds and
+    this process's CPU seconds meanwhile."""
+    pending = iter(enumerate(prompts))
+    streams: list[Optional[Stream]] = [None] * len(prompts)
+
+    async def worker():
+        for i, prompt in pending:
+            streams[i] = await send(prompt)
+
+    start, cpu = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
+    return streams, time.perf_counter() - start, time.process_time() - cpu
+
+
+def summarize(streams: list[Stream], seconds: float, cpu_seconds: float, concurrency: int) -> dict:
+    tokens = sum(s.tokens for s in streams)
+    return {"concurrency": concurrency, "num_requests": len(streams), "output_tokens": tokens, "seconds": seconds,
+            "output_tok_s": tokens / seconds, "ttft_ms": asdict(Summary.of_seconds([s.ttft_s for s in streams])),
+            "process_cpu_s": cpu_seconds}
+
+
+async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload) -> dict:
+    await closed_loop(send, work.warmup, max(1, len(work.warmup)))
+    idle = summarize(*await closed_loop(send, work.idle, 1), concurrency=1)
+    loaded = summarize(*await closed_loop(send, work.loaded, work.concurrency), concurrency=work.concurrency)
+    return {"idle": idle, "loaded": loaded}
+
+
+# ---- the direct path --------------------------------------------------------------------------
+
+async def measure_direct(engine: AsyncLLMEngine, work: Workload) -> dict:
+    params = CompletionRequest.model_validate(completion_body("direct", [0], work.max_tokens)).sampling_params()
+    ids = itertools.count()
+
+    async def send(prompt: list[int]) -> Stream:
+        start, first, tokens = time.perf_counter(), None, 0
+        async for out in engine.generate(prompt, params, f"direct-{next(ids)}"):
+            n = len(out.outputs[0].delta_token_ids)
+            if n and first is None:
+                first = time.perf_counter()
+            tokens += n
+        return Stream(first - start, tokens)
+
+    return await measure(send, work)
+
+
+# ---- the Serve path ---------------------------------------------------------------------------
+
+async def measure_serve(base_url: str, model_id: str, work: Workload) -> dict:
+    url = f"{base_url}/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
+        async def send(prompt: list[int]) -> Stream:
+            body = json.dumps(completion_body(model_id, prompt, work.max_tokens)).encode()
+            start, first, usage, done = time.perf_counter(), None, None, False
+            async with session.post(url, data=body, headers=headers) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+                async for line in resp.content:
+                    if first is None and b'"choices":[{' in line:
+                        first = time.perf_counter()
+                    elif line.startswith(b"data: [DONE]"):
+                        done = True
+                    elif line.startswith(b'data: {"error"'):
+                        raise RuntimeError(f"error event: {line[6:306].decode(errors='replace')}")
+                    elif b'"usage":' in line:
+                        usage = json.loads(line[6:])["usage"]
+            if not done or first is None or usage is None:
+                raise RuntimeError(f"incomplete stream (done={done}, first token={first is not None}, usage={usage})")
+            return Stream(first - start, int(usage["completion_tokens"]))
+
+        return await measure(send, work)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tidal_command() -> list[str]:
+    script = Path(sys.executable).with_name("tidal")
+    return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "cluster.serve_cmd"]
+
+
+def serve_accepts(flag: str) -> bool:
+    from cluster.serve_cmd import add_serve_parser
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    return flag in parser._option_string_actions
+
+
+class ServeProcess:
+    """`tidal serve` in its own session (own local Ray cluster); `stop()` ends it, its Ray shut down."""
+
+    def __init__(self, flags: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        fd, self.log_path = tempfile.mkstemp(prefix="tidal-serve-overhead-", suffix=".log")
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("RAY_ADDRESS", None)
+        self.cmd = [*tidal_command(), "--port", str(self.port), "--metrics-port", str(free_port()), *flags]
+        self.process = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=fd, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        os.close(fd)
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """The served model id, once the server says it is serving and /health answers."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"`{' '.join(self.cmd)}` exited with {self.process.returncode}:\n{self.log_tail()}")
+            if "tidal: serving" in Path(self.log_path).read_text(errors="replace"):
+                try:
+                    with urllib.request.urlopen(f"{self.url}/health", timeout=10) as r:
+                        return json.loads(r.read())["model"]
+                except (OSError, ValueError, KeyError):
+                    pass
+            time.sleep(0.5)
+        raise TimeoutError(f"`{' '.join(self.cmd)}` not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM: the server deletes the app and shuts its Ray down; SIGKILL to the group if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._kill()
+            except BaseException:       # interrupted while it drains: leave no cluster behind
+                self._kill()
+                raise
+        Path(self.log_path).unlink(missing_ok=True)
+
+    def _kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def resolve_model(args: argparse.Namespace) -> Optional[str]:
+    """A bench.engine shape name with --load-format dummy becomes a folder holding its config.json."""
+    from bench.engine import SHAPES
+    if args.load_format == "dummy" and args.model in SHAPES:
+        folder = tempfile.mkdtemp(prefix=f"tidal-{args.model}-")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(SHAPES[args.model], f)
+        return folder
+    return os.path.abspath(args.model) if args.model else None
+
+
+def serve_flags(model: Optional[str], args: argparse.Namespace) -> list[str]:
+    flags = ["--device", args.device, "--replicas", "1", "--tp", "1"]
+    if model is not None:
+        flags += ["--model", model]
+    if args.load_format != "auto":
+        flags += ["--load-format", args.load_format]
+    return flags
+
+
+def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfig:
+    """What `tidal serve` builds from serve_flags() (cluster.serve_cmd: elastic off, no other engine kwargs)."""
+    extra = {"load_format": args.load_format} if args.load_format != "auto" else {}
+    return engine_config(AppArgs(model=model, device=args.device, tensor_parallel_size=1, num_replicas=1,
+                                 engine_kwargs={"elastic": "off", **extra}))
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.load_format != "auto" and not serve_accepts("--load-format"):
+        raise SystemExit("tidal serve has no --load-format flag: the Serve path cannot load dummy weights")
+    model = resolve_model(args)
+    engine = AsyncLLMEngine(direct_config(model, args))
+    try:
+        vocab = min(engine.engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+        work = make_workload(args, vocab)
+        direct = asyncio.run(measure_direct(engine, work))
+        device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, " \
+                                                                             f"{platform.processor() or platform.machine()})"
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    server = ServeProcess(serve_flags(model, args))
+    try:
+        serve = asyncio.run(measure_serve(server.url, server.wait_ready(), work))
+    finally:
+        server.stop()
+    added = {k: serve[k]["ttft_ms"]["median"] - direct[k]["ttft_ms"]["median"] for k in ("idle", "loaded")}
+    ratio = serve["loaded"]["output_tok_s"] / direct["loaded"]["output_tok_s"]
+    return {"added_median_ttft_ms_c1": added["idle"], "added_median_ttft_ms_c64": added["loaded"],
+            "throughput_ratio_64": ratio, "concurrency": args.concurrency,
+            "meets_targets": {"added_median_ttft_ms_c1": added["idle"] <= TTFT_TARGET_MS,
+                              "throughput_ratio_64": ratio >= THROUGHPUT_TARGET},
+            "serve": serve, "direct": direct, "device": device, "torch": torch.__version__,
+            "model": args.model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)", "load_format": args.load_format,
+            "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
+            "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
+            "counted": "generated tokens only (direct: streamed token ids; serve: usage.completion_tokens)",
+            "method": __doc__.strip()}
+
+
+def report(res: dict) -> None:
+    print(f"\nserve overhead on {res['device']} ({res['model']}, {res['input_len']} prompt + "
+          f"{res['max_tokens']} output tokens per request)")
+    print(f"{'path':<8}{'streams':>8}{'requests':>10}{'out tok':>9}{'tok/s':>10}{'TTFT med':>10}{'mean':>9}{'p99':>9}")
+    for level in ("idle", "loaded"):
+        for path in ("direct", "serve"):
+            r = res[path][level]
+            t = r["ttft_ms"]
+            print(f"{path:<8}{r['concurrency']:>8}{r['num_requests']:>10}{r['output_tokens']:>9}"
+                  f"{r['output_tok_s']:>10.1f}{t['median']:>10.2f}{t['mean']:>9.2f}{t['p99']:>9.2f}")
+    c = res["concurrency"]
+    print(f"added median TTFT: {res['added_median_ttft_ms_c1']:.2f} ms at 1 stream (target <= {TTFT_TARGET_MS:g}), "
+          f"{res['added_median_ttft_ms_c64']:.2f} ms at {c}; Serve/direct throughput at {c} streams: "
+          f"{res['throughput_ratio_64']:.3f} (target >= {THROUGHPUT_TARGET:.2f})")
+    client = res["serve"]["loaded"]
+    if client["process_cpu_s"] > 0.8 * client["seconds"]:
+        print(f"warning: the HTTP client was busy {client['process_cpu_s'] / client['seconds']:.0%} of the loaded "
+              "Serve run; the Serve figure may be the client's limit")
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF file, HF folder, or with --load-format dummy a folder "
+                                                   "with a config.json or a bench.engine shape (qwen3-0.6b, llama3-8b)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--num-prompts", type=int, default=256, help="requests of the loaded run")
+    ap.add_argument("--idle-prompts", type=int, default=32, help="requests of the one-at-a-time run")
+    ap.add_argument("--warmup", type=int, default=8, help="warm-up requests on each path")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--concurrency", type=int, default=64, help="streams in flight in the loaded run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/serve_overhead.json")
+    args = ap.parse_args(argv)
+    res = run(args)
+    if res["serve"]["loaded"]["output_tokens"] != res["direct"]["loaded"]["output_tokens"]:
+        print("warning: the two paths generated different numbers of tokens", file=sys.stderr)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {args.out}")
+    report(res)
+    return res
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind through the finally blocks: stop the server
+    main()

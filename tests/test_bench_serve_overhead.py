@@ -1,0 +1,48 @@
+"""bench/serve_overhead.py end to end on CPU (the embedded SmolLM2, a real `tidal serve`), tiny settings,
+and the claim its method rests on: the direct engine runs the EngineConfig that `tidal serve` builds."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench.serve_overhead import direct_config, main, serve_flags
+from cluster.app import AppArgs, engine_config
+from cluster.serve_cmd import _engine_kwargs, add_serve_parser
+
+
+def test_direct_engine_config_is_what_tidal_serve_builds():
+    args = argparse.Namespace(device="cpu", load_format="auto")
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    for model in (None, "/models/some.gguf"):
+        ns = parser.parse_args(["serve", *serve_flags(model, args)])
+        served = engine_config(AppArgs(model=ns.model, tensor_parallel_size=ns.tp, num_replicas=ns.replicas,
+                                       device=ns.device, max_num_batched_tokens=ns.max_num_batched_tokens,
+                                       max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len,
+                                       engine_kwargs=_engine_kwargs(ns)))
+        assert served == direct_config(model, args)
+        assert ns.knob == [] and not ns.controller       # no runtime knob differs from the direct engine
+
+
+def test_serve_overhead_cpu_smoke(tmp_path, capsys):
+    out = tmp_path / "serve_overhead.json"
+    res = main(["--device", "cpu", "--num-prompts", "4", "--max-tokens", "4", "--concurrency", "2",
+                "--idle-prompts", "2", "--warmup", "2", "--input-len", "16", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    for key in ("added_median_ttft_ms_c1", "added_median_ttft_ms_c64", "throughput_ratio_64", "serve", "direct",
+                "device", "method"):
+        assert key in res
+    assert res["device"].startswith("CPU") and res["concurrency"] == 2
+    for level, requests in (("idle", 2), ("loaded", 4)):
+        direct, serve = res["direct"][level], res["serve"][level]
+        assert direct["num_requests"] == serve["num_requests"] == requests
+        # ignore_eos: every request streams exactly max_tokens tokens on both paths
+        assert direct["output_tokens"] == serve["output_tokens"] == requests * 4
+        for r in (direct, serve):
+            assert 0 < r["ttft_ms"]["median"] <= r["ttft_ms"]["p99"]
+            assert r["output_tok_s"] > 0
+    assert res["added_median_ttft_ms_c1"] == (res["serve"]["idle"]["ttft_ms"]["median"]
+                                              - res["direct"]["idle"]["ttft_ms"]["median"])
+    assert res["throughput_ratio_64"] == res["serve"]["loaded"]["output_tok_s"] / res["direct"]["loaded"]["output_tok_s"]
+    table = capsys.readouterr().out
+    assert "added median TTFT" in table and "serve" in table and "direct" in table
