@@ -36,6 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from memory.elastic import ElasticPolicy, attach_elastic  # noqa: E402
+from memory.kv_layout import LAYERS_PER_RANGE, layers_per_range  # noqa: E402
 from memory.reserve import profile_reserve  # noqa: E402
 from memory.vmm import VmmKVPool, VmmLayout, allocation_granularity  # noqa: E402
 from replicas import SamplingParams  # noqa: E402
@@ -78,13 +79,14 @@ def release_memory() -> None:
 
 # ---- vmm -----------------------------------------------------------------------------------------------
 def time_pool(num_layers: int, reserve_bytes_per_layer: int, release_after_map: bool, reps: int = 30,
-              unmap_threads: int = 1) -> dict:
+              max_layers_per_range: int = LAYERS_PER_RANGE) -> dict:
     gran = allocation_granularity(torch.cuda.current_device())
     block = (2, 16, 8, 128)                                   # 64 KiB of bf16 per block per layer
-    block_bytes = 2 * 16 * 8 * 128 * 2
-    layout = VmmLayout.fit(block_bytes, gran, gran // block_bytes, reserve_bytes_per_layer // block_bytes)
+    g = layers_per_range(num_layers, max_layers_per_range)
+    block_bytes = 2 * 16 * 8 * 128 * 2 * g
+    layout = VmmLayout.fit(block_bytes, gran, -(-gran // block_bytes), reserve_bytes_per_layer * g // block_bytes)
     pool = VmmKVPool(torch.device("cuda", torch.cuda.current_device()), layout, num_layers, block, torch.bfloat16,
-                     release_after_map, unmap_threads)
+                     release_after_map, layers_per_range=g)
     commit, decommit, phases = [], [], {}
     try:
         for i in range(reps + 3):
@@ -102,7 +104,7 @@ def time_pool(num_layers: int, reserve_bytes_per_layer: int, release_after_map: 
     finally:
         pool.close()
     return {"layers": num_layers, "reserve_bytes": pool.reserve_bytes, "release_after_map": release_after_map,
-            "unmap_threads": unmap_threads,
+            "layers_per_range": g, "ranges": num_layers // g,
             "commit_ms": ms_stats(commit), "decommit_ms": ms_stats(decommit),
             "phases_median_ms": {k: round(float(np.median(v)) * 1e3, 3) for k, v in phases.items()}}
 
@@ -142,13 +144,13 @@ def time_one_range(nbytes: int, reps: int = 30) -> dict:
 
 def section_vmm(args, out: dict) -> None:
     card = 16 << 30
-    rows = [time_pool(36, card // 36, r) for r in (True, False)]
+    rows = [time_pool(36, card // 36, r, max_layers_per_range=1) for r in (True, False)]
     reserve = out.get("reserve_bytes_tp1")
     layers = SHAPES[args.model]["num_hidden_layers"]
     if reserve:
-        rows += [time_pool(layers, reserve // layers, True, unmap_threads=t) for t in (1, 4, 8)]
+        rows += [time_pool(layers, reserve // layers, True, max_layers_per_range=g) for g in (LAYERS_PER_RANGE, 1, 2, 8)]
         out["vmm_one_range"] = time_one_range(reserve)
-    best = (min(rows[2:], key=lambda r: r["decommit_ms"]["median"]) if reserve else rows[0])
+    best = rows[2] if reserve else rows[0]             # the engine's layout (kv_layout.LAYERS_PER_RANGE)
     out.update(vmm=rows, decommit_ms=best["decommit_ms"]["median"], recommit_ms=best["commit_ms"]["median"],
                vmm_note=("decommit_ms/recommit_ms: the model's measured reserve" if reserve else
                          "decommit_ms/recommit_ms: 16 GiB over 36 layers (run 'sizing' first for the model's)"),
@@ -192,7 +194,7 @@ def build(folder: str, mode: str, budget: int, args, policy=None):
 
 def teardown(engine) -> None:
     engine.runner.graphs = None
-    engine.runner.bind_kv_caches([None] * len(engine.runner.kv_caches))
+    engine.runner.release_kv_caches()
     engine.rank_kv.close()
     engine.shutdown()
     release_memory()

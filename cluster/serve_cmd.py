@@ -34,6 +34,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TIDAL_API_KEY, else no auth)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights of the model's config (benchmarks of a shape, no checkpoint)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of the GPU the engine sizes its KV cache into")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -48,6 +52,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="speculative decoding with a drafter (docs/speculative.md); needs --drafter")
     p.add_argument("--drafter", default=None, help="folder of a trained drafter (DominoDrafter.save)")
     p.add_argument("--spec-budget", type=int, default=None, help="draft tree nodes per sequence and step (max)")
+    p.add_argument("--allow-random-drafter", action="store_true",
+                   help="tests only: a randomly initialised drafter when none is given or bundled")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="initial runtime knob (Serve user_config), e.g. max_num_batched_tokens=1024; repeatable")
     p.add_argument("--controller", action="store_true",
@@ -58,9 +64,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kw = {"elastic": args.elastic}
+    kw = {"elastic": args.elastic, "load_format": args.load_format}
+    if args.allow_random_drafter:
+        kw["allow_random_drafter"] = True
     optional = {"reserve_blocks": args.reserve_blocks, "speculative": args.speculative, "drafter": args.drafter,
-                "spec_budget": args.spec_budget}
+                "spec_budget": args.spec_budget, "gpu_memory_utilization": args.gpu_memory_utilization}
     kw.update({k: v for k, v in optional.items() if v is not None})
     return kw
 

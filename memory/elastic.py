@@ -192,8 +192,7 @@ def attach_elastic(engine, mode: str, policy: Optional[ElasticPolicy] = None, **
     runner = engine.runner
     assert runner.world_size == 1 and not engine.has_unfinished
     runner.graphs = None
-    runner.bind_kv_caches([None] * len(runner.kv_caches))
-    runner.kv_caches = []
+    runner.release_kv_caches()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
         torch.cuda.empty_cache()

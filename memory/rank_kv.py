@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from memory.kv_layout import layer_views, layers_per_range
 from memory.reserve import ReserveSizing, default_lend_step_tokens, plan_kv_blocks, profile_reserve
 
 MODES = ("off", "elastic", "static")
@@ -27,16 +28,17 @@ class LogicalReserve:
     `mapped`. Both scribble over the reserve blocks, as memory that was unmapped and mapped again holds
     garbage, so a read of stale reserve KV changes outputs instead of passing silently."""
 
-    def __init__(self, caches: list[torch.Tensor], num_base: int, num_reserve: int):
-        self.caches, self.num_base, self.num_reserve = caches, num_base, num_reserve
-        self.reserve_bytes = sum(c[num_base:].numel() * c.element_size() for c in caches)
+    def __init__(self, storages: list[torch.Tensor], num_base: int, num_reserve: int):
+        self.storages, self.num_base, self.num_reserve = storages, num_base, num_reserve
+        self.caches = layer_views(storages)
+        self.reserve_bytes = sum(s[num_base:].numel() * s.element_size() for s in storages)
         self.mapped = False
         self.timings: dict[str, float] = {}
-        self._gen = torch.Generator(caches[0].device).manual_seed(1234)
+        self._gen = torch.Generator(storages[0].device).manual_seed(1234)
 
     def _scribble(self) -> None:
-        for c in self.caches:
-            c[self.num_base:].normal_(0.0, 8.0, generator=self._gen)
+        for s in self.storages:
+            s[self.num_base:].normal_(0.0, 8.0, generator=self._gen)
 
     def map_reserve(self) -> None:
         assert not self.mapped
@@ -52,7 +54,7 @@ class LogicalReserve:
         return None
 
     def close(self) -> None:
-        self.caches = []
+        self.caches, self.storages = [], []
 
 
 def _all_ranks_ok(ok: bool) -> bool:
@@ -117,8 +119,8 @@ class RankKV:
         if len(src):
             s = torch.as_tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
             d = torch.as_tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
-            for cache in self.memory.caches:
-                cache.index_copy_(0, d, cache.index_select(0, s))
+            for storage in self.memory.storages:        # every layer of a range in one copy
+                storage.index_copy_(0, d, storage.index_select(0, s))
         for hook in self.before_unmap:
             hook()
         if self.device.type == "cuda":
@@ -157,18 +159,18 @@ def build_rank_kv(runner, mode: str, num_base_blocks: Optional[int] = None, num_
         num_base_blocks, num_reserve_blocks = (int(x) for x in counts.tolist())
     if runner.device.type == "cuda":
         from memory.vmm import VmmKVPool, VmmLayout, allocation_granularity
-        layout = VmmLayout.fit(runner.kv_block_bytes() // layers,
+        layout = VmmLayout.fit(runner.kv_block_bytes() // layers * layers_per_range(layers),
                                allocation_granularity(runner.device.index or 0),
                                num_base_blocks, num_reserve_blocks)
         memory = VmmKVPool(runner.device, layout, layers, block_shape, runner.dtype, release_after_map)
         num_base_blocks, num_reserve_blocks = layout.num_base_blocks, layout.num_reserve_blocks
     else:
         runner.allocate_kv_cache(num_base_blocks + num_reserve_blocks)
-        memory = LogicalReserve(runner.kv_caches, num_base_blocks, num_reserve_blocks)
+        memory = LogicalReserve(runner.kv_storages, num_base_blocks, num_reserve_blocks)
     if mode != "off" and num_reserve_blocks == 0:
         memory.close()
         raise ValueError("the reserve rounds to zero blocks: elastic KV has nothing to lend")
-    runner.bind_kv_caches(memory.caches)
+    runner.bind_kv_caches(memory.storages)
     kept = sizing.kept_bytes if sizing is not None else 0
     return RankKV(memory, runner.device, num_base_blocks, num_reserve_blocks, lend_tokens, kept,
                   runner.world_size, sizing)

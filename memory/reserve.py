@@ -110,8 +110,7 @@ def profile_reserve(runner, lend_step_tokens: int | None = None) -> ReserveSizin
         full = measure_step_memory(runner, n, cfg.max_num_seqs)
         kept = measure_step_memory(runner, lend_tokens, cfg.max_num_seqs)
     finally:
-        runner.bind_kv_caches([None] * len(runner.kv_caches))
-        runner.kv_caches = []
+        runner.release_kv_caches()
         torch.cuda.empty_cache()
     margin = max(full.fragmentation, full.reserved_peak - peak, 0)
     return ReserveSizing(n, int(peak), int(margin), lend_tokens, int(kept.reserved_peak),

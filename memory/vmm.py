@@ -1,23 +1,27 @@
 """CUDA virtual memory for the elastic KV cache, through the cuda-python driver API.
 
-Per layer one virtual range [base | reserve] is reserved once. The base handle is mapped at its start for
-the pool's whole life; the reserve handle is mapped right after it only while the reserve is lent. The
-torch tensor over each range is made once, so kernels and CUDA graphs always see the same address.
+Per range of a few layers (memory/kv_layout.py: block-major inside a range) one virtual range [base |
+reserve] is reserved once. The base handle is mapped at its start for the pool's whole life; the reserve
+handle is mapped right after it only while the reserve is lent. The torch tensor over each range is made
+once, so kernels and CUDA graphs always see the same address.
 
 Costs that matter (measured on an H200, see DESIGN.md): per-call overhead dominates with small handles,
-so each layer's reserve is ONE handle; the driver calls are grouped by kind with everything prebuilt.
+so each range's reserve is ONE handle; the driver calls are grouped by kind with everything prebuilt.
 By default a handle is released right after it is mapped: the mapping keeps the memory alive and
 `cuMemUnmap` alone returns it to the driver, so a reclaim (on the path of a prefill) makes one driver
-call per layer instead of two.
+call per range instead of two.
 """
 from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from memory.kv_layout import layer_views
+from memory.kv_layout import layers_per_range as default_layers_per_range
 
 try:
     from cuda.bindings import driver as cu
@@ -48,13 +52,13 @@ def _check(result, what: str):
 
 @dataclass(frozen=True)
 class VmmLayout:
-    """Where the base/reserve boundary of every layer's range lies. The boundary sits on a granule boundary
+    """Where the base/reserve boundary of every range lies. The boundary sits on a granule boundary
     (the base is a whole number of granules) and the reserve is one handle of whole granules."""
-    block_bytes: int              # one KV block of one layer
+    block_bytes: int              # one KV block of one range (all its layers)
     granularity: int
     num_base_blocks: int
     num_reserve_blocks: int
-    reserve_handle_bytes: int     # per layer
+    reserve_handle_bytes: int     # per range
 
     @property
     def base_bytes(self) -> int:
@@ -106,13 +110,17 @@ def _device_prop(device_index: int):
 
 
 class VmmKVPool:
-    """One KV tensor per layer, [num_base + num_reserve, *block_shape], over a fixed virtual range."""
+    """Range tensors [num_base + num_reserve, g, *block_shape] of g layers each (memory/kv_layout.py), each
+    over a fixed virtual range; `caches` are the per-layer views. `layout.block_bytes` is one block of a
+    whole range (g layers)."""
 
     def __init__(self, device: torch.device, layout: VmmLayout, num_layers: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, release_after_map: bool = True, unmap_threads: int = 1):
+                 dtype: torch.dtype, release_after_map: bool = True, layers_per_range: Optional[int] = None):
         _require_driver()
         elem = torch.tensor([], dtype=dtype).element_size()
-        assert math.prod(block_shape) * elem == layout.block_bytes, "block shape does not match the layout"
+        g = layers_per_range or default_layers_per_range(num_layers)
+        assert num_layers % g == 0
+        assert math.prod(block_shape) * elem * g == layout.block_bytes, "block shape does not match the layout"
         assert layout.base_bytes % layout.granularity == 0 and layout.reserve_handle_bytes % layout.granularity == 0
         self.device, self.layout, self.num_layers = device, layout, num_layers
         self.release_after_map = release_after_map
@@ -132,13 +140,8 @@ class VmmKVPool:
         self._reserve_handles: list = []
         self.mapped = False
         self.timings: dict[str, float] = {}       # seconds per phase of the last map/unmap
-        # Unmapping frees the reserve page by page in the driver; spread over threads (each with the context
-        # current) the layers are freed concurrently.
-        self._unmap_pool = (ThreadPoolExecutor(unmap_threads, initializer=self._make_current)
-                            if unmap_threads > 1 else None)
-        self.unmap_threads = unmap_threads
         try:
-            for _ in range(num_layers):
+            for _ in range(num_layers // g):
                 base = int(_check(cu.cuMemAddressReserve(layout.range_bytes, layout.granularity, 0, 0),
                                   "cuMemAddressReserve"))
                 self._ranges.append(base)
@@ -149,16 +152,16 @@ class VmmKVPool:
             raise
         num_blocks = layout.num_base_blocks + layout.num_reserve_blocks
         nbytes = num_blocks * layout.block_bytes
-        shape = (num_blocks, *block_shape)
-        self.caches = [torch.as_tensor(_DeviceBuffer(ptr, nbytes), device=device).view(dtype).view(shape)
-                       for ptr in self._ranges]
-        for cache in self.caches:
-            assert cache.data_ptr() in self._ranges
+        shape = (num_blocks, g, *block_shape)
+        self.storages = [torch.as_tensor(_DeviceBuffer(ptr, nbytes), device=device).view(dtype).view(shape)
+                         for ptr in self._ranges]
+        assert [s.data_ptr() for s in self.storages] == self._ranges
+        self.caches = layer_views(self.storages)
 
     @property
     def reserve_bytes(self) -> int:
         """Physical bytes of the reserve over all layers."""
-        return self.layout.reserve_handle_bytes * self.num_layers
+        return self.layout.reserve_handle_bytes * len(self._ranges)
 
     def _make_current(self) -> None:
         # Driver calls act on the calling thread's current context; the engine loop may run on any thread.
@@ -180,7 +183,7 @@ class VmmKVPool:
         return int(free), int(total)
 
     def map_reserve(self) -> None:
-        """Create and map every layer's reserve handle. On failure everything mapped so far is undone."""
+        """Create and map every range's reserve handle. On failure everything mapped so far is undone."""
         assert not self.mapped
         if self.layout.reserve_handle_bytes == 0:
             self.mapped = True
@@ -226,7 +229,7 @@ class VmmKVPool:
                         "total": t4 - t0}
 
     def unmap_reserve(self) -> None:
-        """Unmap (and so free) every layer's reserve. The caller must have synchronized the device:
+        """Unmap (and so free) every range's reserve. The caller must have synchronized the device:
         cuMemUnmap does not wait for kernels in flight."""
         assert self.mapped
         if self.layout.reserve_handle_bytes == 0:
@@ -236,11 +239,8 @@ class VmmKVPool:
         size, unmap, release, ok = self.layout.reserve_handle_bytes, cu.cuMemUnmap, cu.cuMemRelease, \
             cu.CUresult.CUDA_SUCCESS
         t0 = time.perf_counter()
-        if self._unmap_pool is None:
-            results = [unmap(ptr, size) for ptr in self._reserve_ptrs]
-        else:
-            results = list(self._unmap_pool.map(lambda ptr: unmap(ptr, size), self._reserve_ptrs))
-        for err, in results:
+        for ptr in self._reserve_ptrs:
+            err, = unmap(ptr, size)
             if err != ok:
                 _check((err,), "cuMemUnmap (reserve)")
         t1 = time.perf_counter()
@@ -256,12 +256,9 @@ class VmmKVPool:
         if cu is None or not hasattr(self, "_ctx"):
             return
         self._make_current()
-        if getattr(self, "_unmap_pool", None) is not None:
-            self._unmap_pool.shutdown()
-            self._unmap_pool = None
         if getattr(self, "caches", None) is not None:
             torch.cuda.synchronize(self.device)
-        self.caches = []
+        self.caches, self.storages = [], []
         if self.mapped and self.layout.reserve_handle_bytes:
             for ptr in self._reserve_ptrs:
                 cu.cuMemUnmap(ptr, self.layout.reserve_handle_bytes)

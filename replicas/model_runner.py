@@ -68,7 +68,8 @@ class ModelRunner:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.block_size = config.block_size
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []       # one view per attention layer
+        self.kv_storages: list[torch.Tensor] = []     # the range tensors under them
         self.kv = None                       # memory.rank_kv.RankKV when elastic KV is on
         self.num_kv_blocks = 0
         self.graphs = None
@@ -119,19 +120,27 @@ class ModelRunner:
         return per_layer * mc.num_hidden_layers
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor per layer, [num_blocks, 2, block_size, Hkv, D]: a block's K and V are adjacent,
-        so the reserve region (the tail blocks) is one contiguous tail of each layer's range."""
+        """Per layer a view [num_blocks, 2, block_size, Hkv, D] (a block's K and V adjacent) into range tensors
+        of a few layers each, block-major (memory/kv_layout.py): the reserve region (the tail blocks) of a
+        range is one contiguous tail."""
+        from memory.kv_layout import allocate_ranges
         mc = self.model_config
-        kv_heads = mc.num_key_value_heads // self.world_size
-        shape = (num_blocks, 2, self.block_size, kv_heads, mc.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self._attention_layers()]
-        for layer, cache in zip(self._attention_layers(), self.kv_caches):
-            layer.kv_cache = cache
+        shape = (2, self.block_size, mc.num_key_value_heads // self.world_size, mc.head_dim)
+        self.bind_kv_caches(allocate_ranges(len(self._attention_layers()), num_blocks, shape, self.dtype,
+                                            self.device))
 
-    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        """Use caches made elsewhere (the elastic VMM allocator) instead of allocating."""
-        self.kv_caches = caches
-        for layer, cache in zip(self._attention_layers(), caches):
+    def release_kv_caches(self) -> None:
+        """Drop every reference to the KV memory (layers included) so it can be freed."""
+        for layer in self._attention_layers():
+            layer.kv_cache = None
+        self.kv_storages, self.kv_caches = [], []
+
+    def bind_kv_caches(self, storages: list[torch.Tensor]) -> None:
+        """Use range tensors [num_blocks, g, *block_shape] (allocated here or by the elastic VMM pool)."""
+        from memory.kv_layout import layer_views
+        self.kv_storages = storages
+        self.kv_caches = layer_views(storages)
+        for layer, cache in zip(self._attention_layers(), self.kv_caches):
             layer.kv_cache = cache
 
     def init_kv(self) -> None:
@@ -209,7 +218,7 @@ class ModelRunner:
             torch.softmax(logits.float(), -1).sort(-1)     # the sampler's worst case: sort for top-p
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.kv_caches = []
+        self.release_kv_caches()
         torch.cuda.empty_cache()
         return int(peak)
 
