@@ -323,6 +323,39 @@ def section_negative(args, out: dict) -> None:
                 f"Poisson {args.rate}/s, seed 1"})
 
 
+# ---- tp2 -------------------------------------------------------------------------------------------------
+def section_tp2(args, out: dict) -> None:
+    """The reserve measured on a real TP=2 engine (two GPUs, NCCL): rank 0's sizing after the profile run of
+    its own shard, then a short mixed load that lends and reclaims on both ranks."""
+    if torch.cuda.device_count() < 2:
+        print("tp2: fewer than 2 GPUs, skipped", flush=True)
+        return
+    from replicas import LLM
+    llm = LLM(model=write_shape(SHAPES[args.model]), load_format="dummy", tensor_parallel_size=2,
+              elastic="elastic", max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs)
+    try:
+        kv = llm.engine.runner.kv
+        rng = random.Random(0)
+        vocab = SHAPES[args.model]["vocab_size"]
+        prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(64, 4096))] for _ in range(48)]
+        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        stats = llm.engine.get_stats()
+        out["tp2"] = {"reserve_fraction": round(kv.reserve_fraction, 5), "reserve_bytes_per_rank": kv.reserve_bytes,
+                      "base_blocks": kv.num_base, "reserve_blocks": kv.num_reserve,
+                      "sizing_rank0": kv.sizing.to_dict() if kv.sizing else None,
+                      "load": {"requests": len(prompts), "finished": len(outs), "seconds": time.perf_counter() - t0,
+                               "lends": stats.lend_total, "reclaims": stats.reclaim_total,
+                               "migrated": stats.blocks_migrated, "preempted": stats.elastic_preemptions,
+                               "reclaim_ms": ms_stats(stats.reclaim_latencies) if stats.reclaim_latencies else None}}
+        out["reserve_fraction_tp2_computed"] = out.get("reserve_fraction_tp2_computed", out.get("reserve_fraction_tp2"))
+        out["reserve_fraction_tp2"] = out["tp2"]["reserve_fraction"]
+        out["reserve_fraction_tp2_method"] = "measured: rank 0 of a TP=2 engine on two GPUs (NCCL), reserve / base blocks"
+    finally:
+        llm.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES))

@@ -36,6 +36,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights of the model's config (benchmarks of a shape, no checkpoint)")
+    p.add_argument("--dtype", default=None, help="weights and activations: bfloat16 (GPU default), float16, float32")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of the GPU the engine sizes its KV cache into")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -68,7 +69,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     if args.allow_random_drafter:
         kw["allow_random_drafter"] = True
     optional = {"reserve_blocks": args.reserve_blocks, "speculative": args.speculative, "drafter": args.drafter,
-                "spec_budget": args.spec_budget, "gpu_memory_utilization": args.gpu_memory_utilization}
+                "spec_budget": args.spec_budget, "gpu_memory_utilization": args.gpu_memory_utilization,
+                "dtype": args.dtype}
     kw.update({k: v for k, v in optional.items() if v is not None})
     return kw
 
