@@ -44,7 +44,7 @@ DEFAULT_PROMPTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_heldo
 @dataclass(frozen=True)
 class BenchConfig:
     model: Optional[str] = None               # None: the embedded SmolLM2 (TIDAL_DEFAULT_MODEL overrides)
-    drafter: Optional[str] = None             # folder saved by DominoDrafter.save
+    drafter: Optional[str] = None             # folder saved by DominoDrafter.save; None: the engine's default
     allow_random_drafter: bool = False
     prompts: str = DEFAULT_PROMPTS
     split: str = "heldout"
@@ -349,16 +349,31 @@ class BenchResult:
     outputs: dict[tuple[str, float, int], list[list[int]]]  # (mode or "plain", temperature, batch) -> token ids
 
 
+def drafter_in_use(cfg: BenchConfig, model_config) -> str:
+    """What the speculative engines load: --drafter, else the engine's default (a drafter bundled for this target
+    shape, replicas/speculation.py), else a random one if allowed."""
+    if cfg.drafter:
+        return cfg.drafter
+    try:
+        from speculative.drafters import bundled_drafter
+    except ImportError:                     # a tree without bundled drafters
+        bundled_drafter = lambda _: None
+    found = bundled_drafter(model_config)
+    if found is None and not cfg.allow_random_drafter:
+        raise SystemExit("no drafter is bundled for this model: pass --drafter DIR (the `drafter/` folder "
+                         "python -m speculative.train writes), or --allow-random-drafter for a smoke test")
+    return found or "random (allow_random_drafter)"
+
+
 def run_bench(cfg: BenchConfig) -> BenchResult:
     from replicas.loaders import load_checkpoint
-    if not cfg.drafter and not cfg.allow_random_drafter:
-        raise SystemExit("speculative decoding needs a trained drafter: --drafter DIR (the `drafter/` folder "
-                         "python -m speculative.train writes), or --allow-random-drafter for a smoke test")
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
+    checkpoint = load_checkpoint(cfg.model)
+    drafter = drafter_in_use(cfg, checkpoint.model_config) if cfg.modes else None
     with open(cfg.prompts, encoding="utf-8") as f:
         texts = json.load(f)
-    eligible, too_long = chat_prompts(load_checkpoint(cfg.model).tokenizer, texts, cfg.max_prompt_tokens)
+    eligible, too_long = chat_prompts(checkpoint.tokenizer, texts, cfg.max_prompt_tokens)
     counts = {b: cfg.num_prompts_b1 if b == 1 else cfg.num_prompts for b in cfg.batches}
     top = max(counts.values())
     if len(eligible) < top:
@@ -374,7 +389,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     cuda = results["plain"]["engine"]["device"].startswith("cuda")
     report: dict = dict(
         device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-        model=cfg.model or default_model_path(), drafter=cfg.drafter or "random (allow_random_drafter)",
+        model=cfg.model or default_model_path(), drafter=drafter,
         seed=cfg.seed, warmup=dict(requests_per_temperature=len(warm), max_tokens=min(cfg.max_tokens, 32)),
         prompts=dict(path=cfg.prompts, split=cfg.split, in_file=len(texts), skipped_over_max_tokens=too_long,
                      max_prompt_tokens=cfg.max_prompt_tokens, chat_template="one user turn",
@@ -448,7 +463,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     d = BenchConfig()
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=d.model, help="HF folder or .gguf (default: the embedded SmolLM2)")
-    p.add_argument("--drafter", default=d.drafter, help="drafter folder (DominoDrafter.save)")
+    p.add_argument("--drafter", default=d.drafter,
+                   help="drafter folder (DominoDrafter.save); default: the engine's, bundled for the target")
     p.add_argument("--allow-random-drafter", action="store_true", help="random drafter (smoke tests only)")
     p.add_argument("--prompts", default=d.prompts, help="JSON list of prompt strings")
     p.add_argument("--split", default=d.split, choices=("train", "heldout"), help="ShareGPT split (export; label)")

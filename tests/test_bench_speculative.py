@@ -36,6 +36,7 @@ def test_json_has_every_key(bench):
                 "tree_build_ms_b16", "builder_bit_identical_cases"):
         assert key in report, key
     assert report["device"] == "cpu" and report["max_tokens"] == 8
+    assert report["drafter"] == "random (allow_random_drafter)" and report["model"] == bench[0]
     assert report["prompts"]["requests_per_batch"] == {"b1": 2, "b2": 2}
     assert report["prompts"]["split"] == "heldout" and report["prompts"]["in_file"] == len(TEXTS)
     assert report["tree_build_ms_b16"] is None and report["tree_build"] == {"skipped": "needs CUDA"}
