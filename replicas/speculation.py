@@ -55,14 +55,16 @@ class Speculator:
         if runner.world_size > 1:
             raise ValueError("speculative decoding needs tensor_parallel_size=1 (the drafter reads the full "
                              "embedding and LM head on rank 0)")
-        if config.drafter is not None:
-            drafter = DominoDrafter.load(config.drafter, runner.device, runner.dtype)
+        from speculative.drafters import bundled_drafter
+        path = config.drafter or bundled_drafter(model_config)
+        if path is not None:
+            drafter = DominoDrafter.load(path, runner.device, runner.dtype)
         elif config.allow_random_drafter:
             torch.manual_seed(config.seed)
             drafter = DominoDrafter(DrafterConfig.for_target(model_config)).to(runner.device, runner.dtype)
         else:
-            raise ValueError("speculative decoding needs a trained drafter: pass drafter=<folder saved by "
-                             "DominoDrafter.save>")
+            raise ValueError("speculative decoding needs a trained drafter and none is bundled for this model: "
+                             "pass drafter=<folder saved by DominoDrafter.save>")
         if drafter.cfg.vocab_size != model_config.vocab_size or drafter.cfg.hidden_size != model_config.hidden_size:
             raise ValueError("the drafter was trained for another target (vocab or hidden size differs)")
         model = runner.model
