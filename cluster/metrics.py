@@ -11,7 +11,9 @@ and buckets where vLLM has the same metric. Two export paths share the table:
 
 Counters travel as engine snapshots (`EngineStats`); `StatsRecorder` keeps the previous snapshot
 and turns each new one into increments. Ratios (prefix hit rate, acceptance rate, tokens per step)
-are pairs of counters divided in PromQL.
+are pairs of counters divided in PromQL. Every gauge is set again on every snapshot, including the
+ones that change rarely (controller settings, elastic modes left): Ray's metrics agent drops a gauge
+series that was not refreshed within two export intervals.
 """
 from __future__ import annotations
 
@@ -157,7 +159,8 @@ class StatsRecorder:
         self.labels = {"model_name": model_name, "replica": replica, "tp_rank": str(tp_rank)}
         self._prev = {field: 0 for field, _ in COUNTER_FIELDS}
         self._prev_by_position: list[int] = []
-        self._mode: str | None = None
+        self._modes: set[str] = set()                 # elastic modes seen; all but the current one export 0
+        self._settings: dict[str, float] = {}         # knob -> the value the controller last set
         self._latency_seen = {"lend_total": 0, "reclaim_total": 0}
 
     def record(self, stats: EngineStats, timings: Sequence[RequestTimings] = ()) -> None:
@@ -168,6 +171,7 @@ class StatsRecorder:
 
     def record_controller_decision(self, knob: str, value: float, reason: str) -> None:
         self.sink.inc(METRICS["controller_decisions"], 1, {**self.labels, "knob": knob, "reason": reason})
+        self._settings[knob] = float(value)
         self.sink.set(METRICS["controller_setting"], float(value), {**self.labels, "knob": knob})
 
     def _record_counters(self, stats: EngineStats) -> None:
@@ -195,11 +199,12 @@ class StatsRecorder:
         }
         for name, value in values.items():
             self.sink.set(METRICS[name], float(value), self.labels)
-        mode_spec = METRICS["elastic_mode"]
-        if self._mode is not None and self._mode != stats.elastic_mode:
-            self.sink.set(mode_spec, 0.0, {**self.labels, "mode": self._mode})
-        self.sink.set(mode_spec, 1.0, {**self.labels, "mode": stats.elastic_mode})
-        self._mode = stats.elastic_mode
+        self._modes.add(stats.elastic_mode)
+        for mode in self._modes:
+            self.sink.set(METRICS["elastic_mode"], float(mode == stats.elastic_mode), {**self.labels, "mode": mode})
+        # A decision arrives on another thread: iterate over a copy.
+        for knob, value in list(self._settings.items()):
+            self.sink.set(METRICS["controller_setting"], value, {**self.labels, "knob": knob})
 
     def _record_elastic_latencies(self, stats: EngineStats) -> None:
         # The stats carry the newest samples (not drained on read); the lend/reclaim totals say how many
