@@ -4,8 +4,10 @@
    deterministic synthetic workload through `ReplicaMetrics`; Prometheus scrapes Ray's metrics
    export port with `RAY_METRIC_RELABEL_CONFIGS`, as KubeRay's PodMonitor does.
 2. Standalone path: `start_metrics_server` in this process, scraped by the same Prometheus.
-3. The real server: `tidal serve` on CPU (`tidal_server` / `tidal_metrics_port` fixtures from
-   tests/conftest.py) under load from the openai SDK; skipped when the fixtures are not there.
+3. The real server: `tidal serve` on CPU under load from the openai SDK: the session's `tidal_server`
+   and a second server (`tidal_server_factory`, tests/conftest.py) sized so that speculation,
+   preemptions, elastic lends and reclaims and controller decisions all happen; skipped when the
+   fixtures are not there.
 
 Each checks that every PromQL expression of every dashboard returns data, the names and label sets.
 """
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -128,19 +131,13 @@ def concrete(expr: str, model: str = ".*", replica: str = ".*", window: str = "5
     return expr.replace("$model_name", model).replace("$replica", replica).replace("$__rate_interval", window)
 
 
-def metric_families(expr: str) -> set[str]:
-    families = set()
-    for name in re.findall(r"tidal:[a-z0-9_]+", expr):
-        families.add(re.sub(r"_(bucket|sum|count)$", "", name))
-    return families
-
-
-def assert_expressions_return_data(prom, expressions: list[tuple[str, str, str]], model: str) -> None:
+def assert_expressions_return_data(prom, expressions: list[tuple[str, str, str]], model: str,
+                                   replica: str = ".*") -> None:
     """Waits until every expression returns data; rates need two scrapes after a series appears."""
     pending = list(expressions)
 
     def drained():
-        pending[:] = [e for e in pending if not prom.query(concrete(e[2], model=model))]
+        pending[:] = [e for e in pending if not prom.query(concrete(e[2], model=model, replica=replica))]
         return not pending
 
     try:
@@ -247,73 +244,197 @@ def test_synthetic_counters_match_and_gauges_go_idle(synthetic_cluster):
 
 
 # ---- 3: the real `tidal serve` on CPU ----------------------------------------------------------
+#
+# One Prometheus scrapes two servers. The session's `tidal_server` (two replicas) takes chat load. The
+# "events" server started here is sized so that a short load makes every event a dashboard plots
+# happen: speculative decoding with an echo drafter; a base KV region of 8 blocks under an elastic
+# reserve, so three long decodes spill into the lent reserve and a long prompt then forces a reclaim
+# that preempts one of them and migrates the others' reserve blocks; and the fleet controller
+# restoring a lowered token budget once the replica is idle.
+
+MAIN_JOB, EVENTS_JOB = "tidal", "tidal-events"
+EVENTS_BASE_BLOCKS = 8          # 128 tokens: ElasticKV needs one sequence of max_model_len to fit in the base
+EVENTS_MAX_MODEL_LEN = 128
+EVENTS_BUDGET = 128             # so lend_step_tokens = 64: a step of more tokens needs the reserve back
+EVENTS_START_BUDGET = 96        # above 64 (a long prompt can still trigger a reclaim); the controller restores 128
+EVENTS_MAX_SEQS = 4             # the three decodes and the long prompt
+DECODE_PROMPTS = tuple(f"{word}: " + " ".join(["ha"] * 10) for word in ("one", "two", "three"))
+DECODE_TOKENS = 72              # " ha" over and over: the echo drafter's proposals are accepted
+LONG_PROMPT = "Summarize: " + " ".join(f"item {i}," for i in range(18))    # ~80 tokens
+LONG_PROMPT_TOKENS = 8
+SPILLED_BLOCKS = 3              # live reserve blocks before the long prompt: one sequence preempted, two migrated
+LOAD_TIMEOUT_S = 300
+
+
+def echo_drafter(folder: Path):
+    """Saves a drafter for the default model whose first slot proposes the root token again (its layer adds
+    nothing to the root's embedding, and the target's tied LM head maps that back to the token), so the target
+    accepts a draft whenever it repeats a token. Returns the target's ModelConfig."""
+    import torch
+
+    from replicas.loaders import load_checkpoint
+    from speculative.drafter import DominoDrafter, DrafterConfig
+
+    model_config = load_checkpoint(None).model_config
+    torch.manual_seed(0)
+    drafter = DominoDrafter(DrafterConfig.for_target(model_config, num_layers=1))
+    with torch.no_grad():
+        for layer in drafter.backbone.layers:
+            layer.attn.o_proj.weight.zero_()
+            layer.down.weight.zero_()
+    drafter.save(str(folder))
+    return model_config
+
+
+def events_server_flags(drafter: Path, model_config) -> list[str]:
+    """The reserve is what the CPU KV budget holds beyond EVENTS_BASE_BLOCKS (float32 KV on CPU)."""
+    from replicas.config import EngineConfig
+
+    cfg, mc = EngineConfig(), model_config
+    block_bytes = 2 * cfg.block_size * mc.num_key_value_heads * mc.head_dim * 4 * mc.num_hidden_layers
+    reserve = cfg.kv_cache_bytes // block_bytes - EVENTS_BASE_BLOCKS
+    return ["--replicas", "1", "--max-model-len", str(EVENTS_MAX_MODEL_LEN), "--max-num-seqs", str(EVENTS_MAX_SEQS),
+            "--max-num-batched-tokens", str(EVENTS_BUDGET), "--knob", f"max_num_batched_tokens={EVENTS_START_BUDGET}",
+            "--elastic", "elastic", "--reserve-blocks", str(reserve),
+            "--speculative", "dominotree", "--drafter", str(drafter), "--spec-budget", "4",
+            "--controller", "--controller-interval", "1"]
+
+
+def replica_stats(base_url: str) -> list[dict]:
+    """GET /stats: every replica's {"replica_id", "model", "stats", ...}."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url}/stats", timeout=30) as r:
+        return json.load(r)["data"]
+
+
+@dataclass(frozen=True)
+class Served:
+    prom: object            # prometheus_util.PrometheusServer
+    main_url: str
+    events_url: str
+
 
 @pytest.fixture(scope="module")
-def served(request):
+def served(request, tmp_path_factory):
     if prometheus_binary() is None:
         pytest.skip("prometheus not installed (scripts/install-prometheus.sh)")
     try:
-        base_url = request.getfixturevalue("tidal_server")
-        metrics_port = int(request.getfixturevalue("tidal_metrics_port"))
+        main_url = str(request.getfixturevalue("tidal_server")).rstrip("/")
+        main_port = int(request.getfixturevalue("tidal_metrics_port"))
+        start_server = request.getfixturevalue("tidal_server_factory")
     except pytest.FixtureLookupError:
-        pytest.skip("no `tidal_server` / `tidal_metrics_port` fixtures (tests/conftest.py provides them)")
-    prom = start_prometheus([ScrapeJob("tidal", (f"127.0.0.1:{metrics_port}",), RAY_METRIC_RELABEL_CONFIGS)])
+        pytest.skip("no `tidal_server` / `tidal_server_factory` fixtures (tests/conftest.py provides them)")
+    drafter = tmp_path_factory.mktemp("echo-drafter")
+    events = start_server(*events_server_flags(drafter, echo_drafter(drafter)))
+    prom = None
     try:
-        yield str(base_url).rstrip("/"), prom
+        base = [d["stats"]["kv_blocks_total"] for d in replica_stats(events.url)]
+        assert base == [EVENTS_BASE_BLOCKS], f"events server base KV region is {base} blocks, not the planned " \
+                                             f"{EVENTS_BASE_BLOCKS} (did the CPU KV sizing change?)"
+        prom = start_prometheus([
+            ScrapeJob(MAIN_JOB, (f"127.0.0.1:{main_port}",), RAY_METRIC_RELABEL_CONFIGS),
+            ScrapeJob(EVENTS_JOB, (f"127.0.0.1:{events.metrics_port}",), RAY_METRIC_RELABEL_CONFIGS),
+        ])
+        yield Served(prom, main_url, events.url)
     finally:
-        prom.stop()
+        if prom is not None:
+            prom.stop()
+        events.stop()
 
 
-def _stable_generation_total(prom, quiet_s: float = 12.0) -> float:
-    """The exported generation-token total once it stopped moving (Ray exports every few seconds)."""
+def chat_load(openai, base_url: str) -> int:
+    """Eight chat completions, four at a time; returns the completion tokens the clients received."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=LOAD_TIMEOUT_S)
+    model = client.models.list().data[0].id
+
+    def complete(i: int) -> int:
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Write one sentence about the number {i}."}],
+            max_tokens=24, temperature=0)
+        return out.usage.completion_tokens
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return sum(pool.map(complete, range(8)))
+
+
+def event_load(openai, base_url: str) -> int:
+    """The events server's load (see above); returns the completion tokens the clients received."""
     import time
 
-    expr = "sum(tidal:generation_tokens_total)"
-    last, since = prom.value(expr), time.monotonic()
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=LOAD_TIMEOUT_S)
+    model = client.models.list().data[0].id
+
+    def complete(prompt: str, max_tokens: int) -> int:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        return out.usage.completion_tokens
+
+    with ThreadPoolExecutor(max_workers=EVENTS_MAX_SEQS) as pool:
+        decodes = [pool.submit(complete, p, DECODE_TOKENS) for p in DECODE_PROMPTS]
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while max(d["stats"]["reserve_blocks_used"] for d in replica_stats(base_url)) < SPILLED_BLOCKS:
+            if all(f.done() for f in decodes) or time.monotonic() > deadline:
+                received = sum(f.result() for f in decodes)
+                raise AssertionError(f"the decodes ({received} tokens) never held {SPILLED_BLOCKS} reserve blocks")
+            time.sleep(0.2)
+        long_prompt = pool.submit(complete, LONG_PROMPT, LONG_PROMPT_TOKENS)
+        received = sum(f.result() for f in [*decodes, long_prompt])
+    stats = replica_stats(base_url)[0]["stats"]
+    happened = {k: stats[k] for k in ("spec_accepted_tokens", "preemptions", "reclaim_total", "blocks_migrated",
+                                      "elastic_preemptions")}
+    assert all(happened.values()), f"the events server's load missed an event: {happened}"
+    return received
+
+
+def _stable_generation_totals(prom, quiet_s: float = 12.0) -> dict[str, float]:
+    """Exported generation-token totals by job once they stopped moving (Ray exports every few seconds)."""
+    import time
+
+    def totals():
+        return {r["metric"]["job"]: float(r["value"][1])
+                for r in prom.query("sum by (job) (tidal:generation_tokens_total)")}
+
+    last, since = totals(), time.monotonic()
     while time.monotonic() - since < quiet_s:
         time.sleep(1.0)
-        now = prom.value(expr)
+        now = totals()
         if now != last:
             last, since = now, time.monotonic()
-    return last or 0.0
+    return last
 
 
 @needs_prometheus
 def test_tidal_serve_metrics_under_load(served):
     openai = pytest.importorskip("openai")
-    base_url, prom = served
-    before = _stable_generation_total(prom)
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300)
-    model = client.models.list().data[0].id
-    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
+    prom = served.prom
+    before = _stable_generation_totals(prom)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        main, events = pool.submit(chat_load, openai, served.main_url), pool.submit(event_load, openai,
+                                                                                    served.events_url)
+        received = {MAIN_JOB: main.result(), EVENTS_JOB: events.result()}
+    for job, got in received.items():
+        want = before.get(job, 0.0) + got
+        prom.wait_until(lambda job=job, want=want: prom.value(
+                            f'sum(tidal:generation_tokens_total{{job="{job}"}}) == {want}'),
+                        WAIT_S, f"{job}: exported generation tokens == {want} (clients received {got})")
 
-    def complete(prompt: str) -> int:
-        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                             max_tokens=24, temperature=0)
-        return out.usage.completion_tokens
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        received = sum(pool.map(complete, prompts))
-    assert received > 0
-    want = before + received
-    prom.wait_until(lambda: prom.value(f"sum(tidal:generation_tokens_total) == {want}"), WAIT_S,
-                    f"exported generation tokens == {want} (clients received {received})")
-
+    events = replica_stats(served.events_url)
+    model = events[0]["model"]
     seen = assert_names_and_labels(prom, model)
-    core = {"tidal:num_requests_running", "tidal:kv_cache_usage_perc", "tidal:generation_tokens_total",
-            "tidal:prompt_tokens_total", "tidal:request_success_total", "tidal:time_to_first_token_seconds",
-            "tidal:e2e_request_latency_seconds", "tidal:request_queue_time_seconds", "tidal:num_steps_total"}
-    assert core <= seen, f"missing: {core - seen}"
+    assert seen == {spec.exported_name for spec in METRICS.values()}
     assert not [n for n in prom.metric_names() if n.startswith("ray_tidal_")]
-    # Expressions over families this server exported must all return data (elastic lending,
-    # speculation, preemptions and the controller export only once they happen).
-    exercised = [e for e in dashboard_expressions() if metric_families(e[2]) <= seen]
-    print(f"{len(exercised)} of {len(dashboard_expressions())} dashboard expressions exercised; "
-          f"families not exported by this server: {sorted({s.exported_name for s in METRICS.values()} - seen)}")
-    assert exercised
-    assert_expressions_return_data(prom, exercised, model)
-    prom.wait_until(lambda: prom.value(f'max(tidal:kv_cache_usage_perc{{model_name="{model}"}}) == 0') == 0,
-                    WAIT_S, "KV usage back to 0 when idle")
+    # Every expression of every dashboard, with $replica = the events server's replica(s).
+    assert_expressions_return_data(prom, dashboard_expressions(), model,
+                                   replica="|".join(d["replica_id"] for d in events))
+    setting = 'tidal:controller_setting{job="%s", knob="max_num_batched_tokens"}' % EVENTS_JOB
+    prom.wait_until(lambda: prom.value(f"max({setting})") == EVENTS_BUDGET, WAIT_S,
+                    f"the controller's restored budget {EVENTS_BUDGET} exported")
+    assert prom.value(f'sum(tidal:spec_decode_num_accepted_tokens_per_pos_total{{job="{EVENTS_JOB}", '
+                      f'position="0"}})') > 0
+    for job in (MAIN_JOB, EVENTS_JOB):
+        prom.wait_until(lambda job=job: prom.value(
+                            f'max(tidal:kv_cache_usage_perc{{job="{job}", model_name="{model}"}}) == 0') == 0,
+                        WAIT_S, f"{job}: KV usage back to 0 when idle")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["ray-driver"]:
