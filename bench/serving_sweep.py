@@ -6,7 +6,8 @@ speculative, elastic), on the same ShareGPT requests and rates, with comparison 
 
 Each setting gets a fresh server (its own local Ray cluster) serving the default model on one GPU; the load is
 `tidal bench sweep` in this process (streaming /v1/completions, Poisson arrivals, seed 0, one warm-up request,
-max_tokens = the ShareGPT reply's length). Writes <out-dir>/<setting>/sweep.json and plots per setting, then
+max_tokens = the ShareGPT reply's length, ignore_eos so every request generates it: a small model often ends at
+once on a raw completion prompt, which the client counts as a failed, content-less stream). Writes <out-dir>/<setting>/sweep.json and plots per setting, then
 <out-dir>/serving_sweep.json and compare_*.png across settings.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
+import sys
 from pathlib import Path
 
 from bench.serve_overhead import ServeProcess
@@ -32,7 +35,7 @@ def sweep_one(name: str, args: argparse.Namespace) -> dict:
         out = Path(args.out_dir) / name
         argv = ["bench", "sweep", "--base-url", server.url, "--dataset", "sharegpt", "--num-prompts",
                 str(args.num_prompts), "--rates", args.rates, "--goodput", *args.goodput, "--seed", "0",
-                "--output-dir", str(out), "--disable-tqdm"]
+                "--output-dir", str(out), "--disable-tqdm", "--ignore-eos"]
         argv += ["--dataset-path", args.dataset_path] if args.dataset_path else []
         argv += ["--tokenizer", args.tokenizer] if args.tokenizer else []
         rc = tidal_main(argv)
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out-dir", default="bench/results/serving")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwind through the finally blocks: stop the server
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results, errors = {}, {}

@@ -5,6 +5,8 @@ Ray and nccl4py come from ../shared/device/make-ray-bundle on the GPU machine; t
 GGUF that TIDAL_DEFAULT_MODEL points at (staged there)."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from checkpoints import make_tiny_llama
@@ -20,11 +22,16 @@ PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n)
 
 
 def _greedy_offline(n_tokens: int, **llm_kw) -> list[str]:
+    """In this process, after the server is gone; the memory is given back before the next server sizes its KV
+    cache (the engine sizes from what the GPU has free, other processes included)."""
     llm = LLM(**llm_kw)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True))
     finally:
         llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     return [o.outputs[0].text for o in outs]
 
 
