@@ -96,6 +96,23 @@ def _deltas(out: RequestOutput, reported: set[int]) -> list[ChoiceDelta]:
     return deltas
 
 
+def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    """Consecutive deltas of the same choices as one delta per choice (text, tokens and logprobs in order)."""
+    merged: dict[int, ChoiceDelta] = {}
+    for d in deltas:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = ChoiceDelta(d.index, d.text, list(d.token_ids),
+                                          list(d.logprobs) if d.logprobs is not None else None, d.finish_reason)
+            continue
+        m.text += d.text
+        m.token_ids += d.token_ids
+        if d.logprobs is not None:
+            m.logprobs = (m.logprobs or []) + list(d.logprobs)
+        m.finish_reason = d.finish_reason or m.finish_reason
+    return list(merged.values())
+
+
 def _failure(e: Exception, default_param: str) -> StreamFailure:
     code = getattr(e, "code", None)
     if code is None and isinstance(e, (RequestError, SamplingParamsError)):
@@ -127,18 +144,20 @@ class LLMReplica:
         """Stream one job. Cancelling this call (client gone) closes the engine stream, which aborts it."""
         param = "messages" if job.messages is not None else "prompt"
         try:
-            stream = self.engine.generate(self._prompt(job), job.params, job.request_id)
+            stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id)
         except ValueError as e:  # the chat template refused the messages
             yield _failure(e, param)
             return
         started = False
         reported: set[int] = set()
         try:
-            async for out in stream:
+            # One item per batch of engine outputs: each item is a Ray message to the ingress, so under load the
+            # outputs that queued up while the last one was sent travel together.
+            async for outs in stream:
                 if not started:
                     started = True
-                    yield StreamStart(self.replica_id, len(out.prompt_token_ids))
-                deltas = _deltas(out, reported)
+                    yield StreamStart(self.replica_id, len(outs[0].prompt_token_ids))
+                deltas = _merge([d for out in outs for d in _deltas(out, reported)])
                 if deltas:
                     yield deltas
         except Exception as e:

@@ -96,6 +96,19 @@ class AsyncLLMEngine:
 
     # ---- the async API ----------------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Every output of the request, one per engine step that touched it."""
+        batches = self.generate_batches(prompt, params, request_id)
+        try:
+            async for batch in batches:
+                for out in batch:
+                    yield out
+        finally:
+            await batches.aclose()
+
+    async def generate_batches(self, prompt: Prompt, params: SamplingParams,
+                               request_id: str) -> AsyncIterator[list[RequestOutput]]:
+        """The request's outputs in order, as lists of all that arrived while the consumer was busy: a consumer
+        slower than the engine (a network hop per item) gets fewer, larger items instead of falling behind."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
         if request_id in self._streams:
@@ -106,14 +119,15 @@ class AsyncLLMEngine:
         self._wake.set()
         finished = False
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            while not finished:
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                finished = items[-1].finished
+                yield items
         finally:
             self._streams.pop(request_id, None)
             if not finished:
