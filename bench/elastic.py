@@ -103,8 +103,8 @@ def time_pool(num_layers: int, reserve_bytes_per_layer: int, release_after_map: 
                         phases.setdefault(f"{what}:{k}", []).append(v)
     finally:
         pool.close()
-    return {"layers": num_layers, "reserve_bytes": pool.reserve_bytes, "release_after_map": release_after_map,
-            "layers_per_range": g, "ranges": num_layers // g,
+    return {"layers": num_layers, "reserve_bytes": layout.reserve_handle_bytes * (num_layers // g),
+            "release_after_map": release_after_map, "layers_per_range": g, "ranges": num_layers // g,
             "commit_ms": ms_stats(commit), "decommit_ms": ms_stats(decommit),
             "phases_median_ms": {k: round(float(np.median(v)) * 1e3, 3) for k, v in phases.items()}}
 

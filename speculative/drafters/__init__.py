@@ -25,6 +25,7 @@ def bundled_drafter(model: ModelConfig) -> Optional[str]:
         meta = os.path.join(HERE, name, "target.json")
         if os.path.isfile(meta):
             with open(meta) as f:
-                if {k: json.load(f)["shape"].get(k) for k in TARGET_KEYS} == want:
-                    return os.path.join(HERE, name)
+                shape = json.load(f)["shape"]
+            if {k: shape.get(k) for k in TARGET_KEYS} == want:
+                return os.path.join(HERE, name)
     return None
