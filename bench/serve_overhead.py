@@ -33,12 +33,9 @@ import os
 import platform
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
@@ -48,6 +45,7 @@ import torch
 
 from cluster.app import AppArgs, engine_config
 from cluster.benchmark.report import Summary
+from cluster.local_server import LocalServer
 from cluster.protocol import CompletionRequest
 from replicas.async_engine import AsyncLLMEngine
 from replicas.config import EngineConfig
@@ -56,7 +54,6 @@ REPO = Path(__file__).resolve().parent.parent
 TTFT_TARGET_MS = 5.0
 THROUGHPUT_TARGET = 0.90
 READY_TIMEOUT_S = 900.0
-STOP_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -168,73 +165,6 @@ async def measure_serve(base_url: str, model_id: str, work: Workload) -> dict:
         return await measure(send, work)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tidal_command() -> list[str]:
-    script = Path(sys.executable).with_name("tidal")
-    return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "cluster.serve_cmd"]
-
-
-def serve_accepts(flag: str) -> bool:
-    from cluster.serve_cmd import add_serve_parser
-    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
-    return flag in parser._option_string_actions
-
-
-class ServeProcess:
-    """`tidal serve` in its own session (own local Ray cluster); `stop()` ends it, its Ray shut down."""
-
-    def __init__(self, flags: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        fd, self.log_path = tempfile.mkstemp(prefix="tidal-serve-overhead-", suffix=".log")
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("RAY_ADDRESS", None)
-        self.cmd = [*tidal_command(), "--port", str(self.port), "--metrics-port", str(free_port()), *flags]
-        self.process = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=fd, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-        os.close(fd)
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
-
-    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str:
-        """The served model id, once the server says it is serving and /health answers."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"`{' '.join(self.cmd)}` exited with {self.process.returncode}:\n{self.log_tail()}")
-            if "tidal: serving" in Path(self.log_path).read_text(errors="replace"):
-                try:
-                    with urllib.request.urlopen(f"{self.url}/health", timeout=10) as r:
-                        return json.loads(r.read())["model"]
-                except (OSError, ValueError, KeyError):
-                    pass
-            time.sleep(0.5)
-        raise TimeoutError(f"`{' '.join(self.cmd)}` not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """SIGTERM: the server deletes the app and shuts its Ray down; SIGKILL to the group if it hangs."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._kill()
-            except BaseException:       # interrupted while it drains: leave no cluster behind
-                self._kill()
-                raise
-        Path(self.log_path).unlink(missing_ok=True)
-
-    def _kill(self) -> None:
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-
 # ---- driver -----------------------------------------------------------------------------------
 
 def resolve_model(args: argparse.Namespace) -> Optional[str]:
@@ -265,8 +195,6 @@ def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfi
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.load_format != "auto" and not serve_accepts("--load-format"):
-        raise SystemExit("tidal serve has no --load-format flag: the Serve path cannot load dummy weights")
     model = resolve_model(args)
     engine = AsyncLLMEngine(direct_config(model, args))
     try:
@@ -281,9 +209,9 @@ def run(args: argparse.Namespace) -> dict:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    server = ServeProcess(serve_flags(model, args))
+    server = LocalServer(serve_flags(model, args))
     try:
-        serve = asyncio.run(measure_serve(server.url, server.wait_ready(), work))
+        serve = asyncio.run(measure_serve(server.url, server.wait_ready(READY_TIMEOUT_S), work))
     finally:
         server.stop()
     added = {k: serve[k]["ttft_ms"]["median"] - direct[k]["ttft_ms"]["median"] for k in ("idle", "loaded")}

@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from bench.serve_overhead import ServeProcess
+from cluster.local_server import LocalServer
 from cluster.cli import main as tidal_main
 
 CONFIG_FLAGS = {"plain": [], "speculative": ["--speculative", "dominotree"], "elastic": ["--elastic", "elastic"]}
@@ -29,9 +29,9 @@ def sweep_one(name: str, args: argparse.Namespace) -> dict:
     flags = ["--device", args.device, *CONFIG_FLAGS[name], *(["--model", args.model] if args.model else [])]
     if name == "speculative" and args.drafter:
         flags += ["--drafter", args.drafter]
-    server = ServeProcess(flags)
+    server = LocalServer(flags)
     try:
-        server.wait_ready()
+        server.wait_ready(900.0)
         out = Path(args.out_dir) / name
         argv = ["bench", "sweep", "--base-url", server.url, "--dataset", "sharegpt", "--num-prompts",
                 str(args.num_prompts), "--rates", args.rates, "--goodput", *args.goodput, "--seed", "0",
