@@ -12,22 +12,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from replicas.sampler import SamplingBatch
 from replicas.sequence import Sequence
-from replicas.step_input import TreeRow
 from speculative.acceptance import walk
 from speculative.tree import DraftTree
 
 if TYPE_CHECKING:
     from replicas.engine import LLMEngine
+    from replicas.speculation import TreeRows
 
 
 class _PathHistory:
     """Row r = (sequence b, slot s): b's prompt, or b's output followed by the tokens on the path to slot s."""
 
-    def __init__(self, seqs: list[Sequence], rows: list[TreeRow], parents: list[list[int]], prompt: bool):
+    def __init__(self, seqs: list[Sequence], rows: "TreeRows", parents: np.ndarray, prompt: bool):
         self.seqs, self.rows, self.parents, self.prompt = seqs, rows, parents, prompt
         self.width = len(rows[0].offsets)
 
@@ -42,29 +43,32 @@ class _PathHistory:
         path, node = [], slot - 1
         while node >= 0:
             path.append(self.rows[b].tokens[node])
-            node = self.parents[b][node]
+            node = int(self.parents[b, node])
         return seq.output_token_ids + path[::-1]
 
 
-def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, rows: list[TreeRow],
+def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, rows: "TreeRows",
                  logits: torch.Tensor, aux: list[torch.Tensor], first_rows: list[int], now: float) -> None:
-    """seqs: the speculative rows of this step; logits [len(seqs) * (1+N), V] request-major; aux: the step's
-    target hidden states (runner.last_aux_hidden); first_rows: each sequence's first token row in the step."""
+    """seqs: the speculative rows of this step; rows: speculation.tree_rows(tree); logits [len(seqs) * (1+N), V]
+    request-major; aux: the step's target hidden states (runner.last_aux_hidden); first_rows: each sequence's
+    first token row in the step. One device-to-host copy: the walk's result."""
     width = len(rows[0].offsets)
-    parents = tree.parents.tolist()
     params = [s.params for s in seqs for _ in range(width)]
     seeds = [s.seed for s in seqs for _ in range(width)]
-    positions = [s.num_tokens + o for s, row in zip(seqs, rows) for o in row.offsets]
-    sb = SamplingBatch.build(params, seeds, positions, _PathHistory(seqs, rows, parents, False),
-                             _PathHistory(seqs, rows, parents, True), engine.eos_token_ids,
+    offsets = np.asarray([row.offsets for row in rows], dtype=np.int64)
+    positions = (np.asarray([s.num_tokens for s in seqs], dtype=np.int64)[:, None] + offsets).ravel().tolist()
+    sb = SamplingBatch.build(params, seeds, positions, _PathHistory(seqs, rows, rows.parents, False),
+                             _PathHistory(seqs, rows, rows.parents, True), engine.eos_token_ids,
                              engine.model_config.vocab_size, logits.device)
     out = engine.sampler(logits, sb)
-    acc = walk(tree, out.token_ids.view(len(seqs), width))
+    acc = walk(tree, out.token_ids.view(len(seqs), width).to(tree.tokens.device))
+    host = torch.cat([acc.num_emitted[:, None], acc.tokens, acc.path_slots], 1).cpu().numpy()
+    num_emitted, emitted, slots = host[:, 0], host[:, 1:1 + width], host[:, 1 + width:]
     stats = engine.stats
     stats.spec_drafts += len(seqs)
-    stats.spec_draft_tokens += int(tree.valid.sum())
-    stats.spec_accepted_tokens += int(acc.num_accepted.sum())
-    per_depth = acc.accepted_per_depth.tolist()
+    stats.spec_draft_tokens += int(rows.valid.sum())
+    stats.spec_accepted_tokens += int(num_emitted.sum()) - len(seqs)
+    per_depth = (slots[:, 1:] >= 0).sum(0).tolist()
     by_pos = stats.spec_accepted_by_position
     by_pos.extend([0] * (len(per_depth) - len(by_pos)))
     for d, c in enumerate(per_depth):
@@ -72,30 +76,29 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
 
     bs = engine.config.block_size
     src, dst = [], []
-    kept: list[tuple[Sequence, int, int, list[int]]] = []
-    for b, (seq, emitted, count, slots) in enumerate(zip(seqs, acc.tokens.tolist(), acc.num_emitted.tolist(),
-                                                         acc.path_slots.tolist())):
-        root = seq.num_computed_tokens
-        for j in range(count):
-            engine._append_token(seq, emitted[j], out, b * width + slots[j], now)
+    kept: list[tuple[Sequence, int, int, np.ndarray]] = []
+    for b, seq in enumerate(seqs):
+        root, count = seq.num_computed_tokens, int(num_emitted[b])
+        for j, token in enumerate(emitted[b, :count].tolist()):
+            engine._append_token(seq, token, out, b * width + int(slots[b, j]), now)
             if seq.is_finished:
                 break
         if seq.is_finished:
             continue
         k = count - 1
-        table = seq.block_table
-        for j in range(1, k + 1):
-            s, d = root + slots[j], root + j
-            if s != d:
-                src.append(table[s // bs] * bs + s % bs)
-                dst.append(table[d // bs] * bs + d % bs)
-        kept.append((seq, root, k, [first_rows[b] + s for s in slots[:k + 1]]))
+        moved = np.flatnonzero(slots[b, 1:k + 1] != np.arange(1, k + 1)) + 1     # accepted nodes off their slot
+        if len(moved):
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            s, d = root + slots[b, moved], root + moved
+            src.append(table[s // bs] * bs + s % bs)
+            dst.append(table[d // bs] * bs + d % bs)
+        kept.append((seq, root, k, first_rows[b] + slots[b, :k + 1]))
     if src:
-        engine.runner.call_all("compact_kv", src, dst)
+        engine.runner.call_all("compact_kv", np.concatenate(src), np.concatenate(dst))
     bm = engine.block_manager
+    spec = engine.speculator
     for seq, root, k, hidden_rows in kept:
         seq.num_computed_tokens = root + 1 + k
         bm.commit_full_blocks(seq, root)
         bm.truncate(seq, -(-seq.num_tokens // bs))
-        spec = engine.speculator
-        spec.observe(seq, spec.target_hidden(aux, torch.tensor(hidden_rows)), [root + j for j in range(k + 1)])
+        spec.observe_at(seq, aux, hidden_rows, root)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -17,18 +18,16 @@ from replicas.config import EngineConfig, ModelConfig
 from replicas.sequence import Sequence
 from replicas.step_input import TreeRow
 from speculative.baselines import make_builder
-from speculative.cost_model import AcceptanceProfile, BudgetPolicy, VerifyProfile
-from speculative.drafter import DominoDrafter, DraftContext, DrafterConfig
+from speculative.context_cache import PagedDraftContext, upload
+from speculative.cost_model import KNEE_TOKENS, KneeBudgetPolicy
+from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.tree import DraftTree, gate_table, prepare_round
 
 
-def default_budget_policy(budget: int, max_num_seqs: int) -> BudgetPolicy:
-    """A stand-in profile until one is measured on the serving GPU: a step costs 1 + tokens/512 (memory-bound
-    below ~512 tokens), drafting 0.1 of a plain step, 2 tokens accepted per round. Small batches get `budget`,
-    large ones 0."""
-    sizes = sorted({1 << i for i in range(max(1, max_num_seqs).bit_length() + 1)} | {max_num_seqs})
-    step = {b: {n: 1.0 + b * (1 + n) / 512 for n in (0, budget)} for b in sizes}
-    return BudgetPolicy(VerifyProfile(step, {b: 0.1 for b in sizes}), AcceptanceProfile({budget: 2.0}))
+def default_budget_policy(budget: int, knee_tokens: int = KNEE_TOKENS) -> KneeBudgetPolicy:
+    """Until a VerifyProfile is measured on the serving GPU: speculate only while the verify forward stays
+    below the memory-bound knee (speculative/cost_model.py, KneeBudgetPolicy)."""
+    return KneeBudgetPolicy(budget, knee_tokens)
 
 
 class Speculator:
@@ -43,10 +42,13 @@ class Speculator:
         ids = self.cfg.target_layer_ids
         self.aux_layers = tuple(sorted(set(ids)))
         self._aux_order = [self.aux_layers.index(i) for i in ids]
-        self.policy = default_budget_policy(budget, max_num_seqs) if budget > 0 else None
+        self.policy = default_budget_policy(budget) if budget > 0 else None
         self._builders: dict[int, object] = {}
         self._gates: Optional[Tensor] = None
-        self._contexts: dict[int, tuple[DraftContext, Tensor]] = {}   # seq_id -> (context, its positions [T])
+        cfg = self.cfg
+        self.contexts = PagedDraftContext(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, embed_weight.dtype,
+                                          embed_weight.device, num_pages=max(64, 2 * max_num_seqs))
+        self._pending = _PendingRows()
 
     @staticmethod
     def create(config: EngineConfig, model_config: ModelConfig, runner) -> "Speculator":
@@ -68,8 +70,10 @@ class Speculator:
         if drafter.cfg.vocab_size != model_config.vocab_size or drafter.cfg.hidden_size != model_config.hidden_size:
             raise ValueError("the drafter was trained for another target (vocab or hidden size differs)")
         model = runner.model
-        return Speculator(drafter, config.speculative, config.spec_budget, model.model.embed_tokens.weight,
+        spec = Speculator(drafter, config.speculative, config.spec_budget, model.model.embed_tokens.weight,
                           model.lm_head.weight, model_config.vocab_size, config.max_num_seqs)
+        runner.capture_aux_graphs(spec.aux_layers)          # CUDA only: plain decode steps stay graphed
+        return spec
 
     # ---- budget -----------------------------------------------------------------------------
     def budget(self, batch_size: int) -> int:
@@ -91,44 +95,42 @@ class Speculator:
 
     def observe_rows(self, seq: Sequence, aux: list[Tensor], first_row: int, first_position: int, n: int) -> None:
         """A plain row of the step: its n computed tokens, from step row `first_row`, at first_position..+n-1."""
-        rows = torch.arange(first_row, first_row + n)
-        self.observe(seq, self.target_hidden(aux, rows), list(range(first_position, first_position + n)))
+        self.observe_at(seq, aux, np.arange(first_row, first_row + n), first_position)
+
+    def observe_at(self, seq: Sequence, aux: list[Tensor], rows: np.ndarray, first_position: int) -> None:
+        """Step rows `rows` of `aux` hold seq's tokens at first_position, +1, ... Only bookkeeping here: the
+        step's rows are projected together, once, when the step's observations are complete (`flush`)."""
+        if len(rows) == 0:
+            return
+        if self._pending.aux is not None and self._pending.aux is not aux:
+            self.flush()
+        slots = self.contexts.reserve(seq.seq_id, first_position, len(rows))
+        self._pending.add(aux, rows, np.arange(first_position, first_position + len(rows)), slots)
 
     @torch.inference_mode()
-    def observe(self, seq: Sequence, hidden: Tensor, positions: list[int]) -> None:
-        """Append computed tokens' hidden states [T, C] at absolute `positions` (ascending) to seq's context."""
-        if not positions:
+    def flush(self) -> None:
+        """Project every pending row's hidden states into drafter context K/V (one batched pass) and store them."""
+        p = self._pending
+        if p.aux is None:
             return
-        pos = torch.tensor(positions, dtype=torch.long, device=hidden.device)
-        new = self.drafter.backbone.context(hidden[None].to(self.embed_weight.dtype), pos[None])
-        found = self._contexts.get(seq.seq_id)
-        if found is not None:
-            ctx, old = found
-            keep = int((old < positions[0]).sum())            # a recompute after preemption cuts back
-            if keep:
-                new, pos = _slice(ctx, keep).concat(new), torch.cat([old[:keep], pos])
-        self._contexts[seq.seq_id] = (new, pos)
+        packed = upload(np.stack([np.concatenate(p.rows), np.concatenate(p.positions), np.concatenate(p.slots)]),
+                        self.contexts.device)
+        hidden = self.target_hidden(p.aux, packed[0]).to(self.embed_weight.dtype)
+        self.contexts.write(packed[2], self.drafter.backbone.context(hidden[None], packed[1][None]))
+        self._pending = _PendingRows()
 
     def forget(self, seq: Sequence) -> None:
-        self._contexts.pop(seq.seq_id, None)
-
-    def _context(self, seq: Sequence) -> DraftContext:
-        found = self._contexts.get(seq.seq_id)
-        if found is not None:
-            return found[0]
-        dev = self.embed_weight.device
-        return self.drafter.backbone.context(torch.zeros(1, 0, self.cfg.context_size, device=dev,
-                                                         dtype=self.embed_weight.dtype),
-                                             torch.zeros(1, 0, dtype=torch.long, device=dev))
+        self.flush()
+        self.contexts.forget(seq.seq_id)
 
     # ---- drafting ---------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], n: int) -> tuple[DraftTree, list[TreeRow]]:
         """One draft tree of n nodes per sequence, rooted at its last (uncomputed) token."""
-        dev = self.embed_weight.device
-        roots = torch.tensor([s.last_token_id for s in seqs], dtype=torch.long, device=dev)
-        root_pos = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.long, device=dev)
-        block = self.drafter.draft(roots, root_pos, DraftContext.stack([self._context(s) for s in seqs]),
+        roots, root_pos = upload(np.asarray([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs]],
+                                            dtype=np.int64), self.embed_weight.device)
+        self.flush()
+        block = self.drafter.draft(roots, root_pos, self.contexts.gather([s.seq_id for s in seqs]),
                                    self.embed_weight, self.lm_head_weight)
         builder = self.builder(n)
         if builder.cfg.corrected and self._gates is None:
@@ -139,12 +141,41 @@ class Speculator:
         return tree, tree_rows(tree)
 
 
-def tree_rows(tree: DraftTree) -> list[TreeRow]:
-    """Host copies of each request's tree for the step input."""
-    tokens, offsets = tree.tokens.tolist(), tree.position_offsets().tolist()
-    masks = tree.tree_attention_mask().cpu().numpy()
-    return [TreeRow(tokens[b], offsets[b], masks[b]) for b in range(len(tokens))]
+class TreeRows(list):
+    """The step input's TreeRow per request, plus host copies of the tree the verify half reads."""
+
+    def __init__(self, rows: list[TreeRow], parents: np.ndarray, valid: np.ndarray):
+        super().__init__(rows)
+        self.parents, self.valid = parents, valid
 
 
-def _slice(ctx: DraftContext, keep: int) -> DraftContext:
-    return DraftContext([k[:, :keep] for k in ctx.keys], [v[:, :keep] for v in ctx.values], ctx.valid[:, :keep])
+def tree_rows(tree: DraftTree) -> TreeRows:
+    """Host copies of each request's tree for the step input: one device-to-host copy; the masks are built
+    on the host (the same relation as DraftTree.tree_attention_mask)."""
+    host = torch.stack([tree.tokens, tree.parents, tree.depths, tree.valid.long()]).cpu().numpy()
+    tokens, parents, depths, valid = host[0], host[1], host[2], host[3].astype(bool)
+    b, n = tokens.shape
+    offsets = np.concatenate([np.zeros((b, 1), np.int64), depths + 1], 1)
+    up = np.concatenate([np.zeros((b, 1), np.int64), np.where(valid, parents + 1, 0)], 1)
+    masks = np.broadcast_to(np.eye(n + 1, dtype=bool), (b, n + 1, n + 1)).copy()
+    cur = np.broadcast_to(np.arange(n + 1), (b, n + 1))
+    for _ in range(int(depths.max(initial=0)) + 1):
+        cur = np.take_along_axis(up, cur, 1)
+        np.put_along_axis(masks, cur[..., None], True, 2)
+    return TreeRows([TreeRow(tokens[i].tolist(), offsets[i].tolist(), masks[i]) for i in range(b)], parents, valid)
+
+
+class _PendingRows:
+    """Observations of one step, not yet projected: step rows of `aux`, their positions and context slots."""
+
+    def __init__(self):
+        self.aux: Optional[list[Tensor]] = None
+        self.rows: list[np.ndarray] = []
+        self.positions: list[np.ndarray] = []
+        self.slots: list[np.ndarray] = []
+
+    def add(self, aux: list[Tensor], rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        self.aux = aux
+        self.rows.append(rows)
+        self.positions.append(positions)
+        self.slots.append(slots)

@@ -92,3 +92,26 @@ class BudgetPolicy:
 
     def budget(self, batch_size: int) -> int:
         return self.choices[self.verify.batch_row(batch_size)].budget
+
+
+# A verify forward over up to this many tokens costs about one plain decode step on a datacenter GPU: decoding is
+# bound by reading the weights and KV, and a GEMM's time stays flat until its token count reaches the GPU's
+# FLOP-to-byte ratio (H100/H200 bf16: ~990 TFLOP/s over 3.4-4.8 TB/s, i.e. 200-300 FLOP per byte, and a weight
+# byte does 1 FLOP per token). We take the lower end, 128, so extra tree nodes are close to free below it.
+KNEE_TOKENS = 128
+MIN_NODES = 4
+
+
+@dataclass(frozen=True)
+class KneeBudgetPolicy:
+    """Without a measured profile: at batch b, n = min(budget, knee / b - 1) nodes per request, and no
+    speculation when that leaves fewer than `min_nodes` (a round also pays a drafter pass and the tree build,
+    which a tree of 1-3 nodes does not earn back at the acceptance our drafters reach, tau ~1.3-2). With the
+    defaults: batch 1-7 gets 16 nodes, 8 gets 15, 16 gets 7, 25 gets 4, 26 and above 0."""
+    max_budget: int
+    knee_tokens: int = KNEE_TOKENS
+    min_nodes: int = MIN_NODES
+
+    def budget(self, batch_size: int) -> int:
+        n = min(self.max_budget, self.knee_tokens // max(1, batch_size) - 1)
+        return n if n >= min(self.min_nodes, self.max_budget) else 0

@@ -11,6 +11,7 @@ from checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
 from replicas.config import ModelConfig
 from replicas.speculation import Speculator, tree_rows
+from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.tree import DraftTree
 from support.greedy import compare_greedy
@@ -179,6 +180,7 @@ def test_sampling_is_seeded_and_follows_the_target(tiny, monkeypatch):
         return tree, tree_rows(tree)
     monkeypatch.setattr(Speculator, "propose", propose)
     llm = spec_llm(folder, spec_budget=4, max_num_seqs=256, max_num_batched_tokens=4096)
+    llm.engine.speculator.policy = KneeBudgetPolicy(4, knee_tokens=1 << 30)    # speculate at batch 256 too
     try:
         got = [o.outputs[0].token_ids for o in llm.generate([prompt] * len(params), params)]
         again = [o.outputs[0].token_ids for o in llm.generate([prompt] * 50, params[:50])]
