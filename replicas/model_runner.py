@@ -73,6 +73,7 @@ class ModelRunner:
         self.kv = None                       # memory.rank_kv.RankKV when elastic KV is on
         self.num_kv_blocks = 0
         self.graphs = None
+        self.graph_aux_layers: tuple[int, ...] = ()     # the drafter's target layers, once a speculator asks
         self.last_aux_hidden: list[torch.Tensor] = []
         self.backend = self._make_backend()
         for layer in self._attention_layers():
@@ -174,6 +175,15 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.backend, self.device, self.config.max_num_seqs,
                                    -(-self.max_model_len // self.block_size), self.max_model_len)
         self.graphs.capture()
+        if self.graph_aux_layers:
+            self.graphs.capture(self.graph_aux_layers)
+
+    def capture_aux_graphs(self, aux_layers: tuple[int, ...]) -> None:
+        """Decode graphs that also output the residual stream after `aux_layers` (a speculative engine's plain
+        decode steps); kept across later `capture_graphs` calls."""
+        self.graph_aux_layers = tuple(aux_layers)
+        if self.graphs is not None:
+            self.graphs.capture(self.graph_aux_layers)
 
     def num_kv_blocks_for_budget(self) -> int:
         """Blocks that fit: the configured count, the CPU byte budget, or GPU memory after a profiled peak."""
@@ -240,7 +250,8 @@ class ModelRunner:
     def forward(self, step: StepInput) -> torch.Tensor | None:
         """Runs the model on every rank; returns float32 logits [S, V] on rank 0, None elsewhere."""
         if self.graphs is not None and self.graphs.can_run(step):
-            hidden = self.graphs.run(step)
+            hidden, aux = self.graphs.run(step)
+            self.last_aux_hidden = [a.clone() for a in aux]       # the next replay overwrites the static outputs
         else:
             ctx = self._context(step)
             self.backend.plan(ctx)
@@ -253,17 +264,17 @@ class ModelRunner:
         return None if logits is None else logits.float()
 
     @torch.inference_mode()
-    def compact_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+    def compact_kv(self, src_slots, dst_slots) -> None:
         """Copy the K/V of cache slots `src_slots` to `dst_slots` in every layer (a speculative round keeps its
-        accepted nodes' KV at contiguous positions). Sources are read before any destination is written."""
-        if not src_slots:
+        accepted nodes' KV at contiguous positions): one gather and one scatter per range tensor
+        [num_blocks, g, 2, block, Hkv, D]. Sources are read before any destination is written."""
+        if len(src_slots) == 0:
             return
-        bs = self.block_size
-        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
-        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
-        sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
-        for cache in self.kv_caches:
-            cache[db, :, do] = cache[sb, :, so]
+        from speculative.context_cache import upload
+        slots = upload(np.stack([np.asarray(src_slots, np.int64), np.asarray(dst_slots, np.int64)]), self.device)
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        for storage in self.kv_storages:
+            storage[blocks[1], :, :, offsets[1]] = storage[blocks[0], :, :, offsets[0]]
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Rank 0: send the step to the other ranks, then run it here."""
