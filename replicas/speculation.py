@@ -73,6 +73,9 @@ class Speculator:
         spec = Speculator(drafter, config.speculative, config.spec_budget, model.model.embed_tokens.weight,
                           model.lm_head.weight, model_config.vocab_size, config.max_num_seqs)
         runner.capture_aux_graphs(spec.aux_layers)          # CUDA only: plain decode steps stay graphed
+        if runner.device.type == "cuda" and spec.max_budget > 0:
+            from replicas.spec_profile import measured_budget_policy
+            spec.policy = measured_budget_policy(runner, spec)
         return spec
 
     # ---- budget -----------------------------------------------------------------------------

@@ -91,6 +91,9 @@ class BudgetPolicy:
         self.choices = {b: choose_budget(b, verify, acceptance, **limits) for b in verify.batch_sizes}
 
     def budget(self, batch_size: int) -> int:
+        """Above the largest measured batch: 0 (verify cost only grows with the batch; nothing says it pays)."""
+        if batch_size > self.verify.batch_sizes[-1]:
+            return 0
         return self.choices[self.verify.batch_row(batch_size)].budget
 
 

@@ -1,0 +1,101 @@
+"""Measures a VerifyProfile on the serving device at start-up, for the cost-model budget policy
+(speculative/cost_model.py).
+
+For each batch size b and draft-node count n it times the step a speculative round really runs: the target's
+forward over b requests x (1+n) tokens with a tree mask (a chain, same cost as any tree of n nodes), the
+drafter's aux layers and the logits of every row; n = 0 is the plain decode step (graphed when the runner has
+decode graphs). Each request reads a `context_len`-token prefix from block 0 and writes no K/V (slot -1), so
+the cache is untouched. The drafter's cost per batch size is one `Speculator.propose` (draft block, tree build,
+the host copy of the tree) for b fresh sequences. Times are medians of host wall-clock with the device
+synchronised before and after, i.e. what a round costs the engine loop.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from replicas.step_input import StepInput
+from speculative.cost_model import AcceptanceProfile, BudgetPolicy, VerifyProfile
+
+# Accepted draft tokens per round assumed at every budget until acceptance is measured (tau = 2): between our
+# undertrained drafter's measured tau 1.3-1.9 and trained DFlash/Domino drafters' 3-6. Flat in n, so the policy
+# picks the cheapest budget that beats plain decoding.
+PRIOR_ACCEPTED = 1.0
+
+
+def verify_step(runner, batch: int, nodes: int, context_len: int, aux_layers: tuple[int, ...]) -> StepInput:
+    q = 1 + nodes if nodes else 1
+    lens = np.full(batch, context_len + q, dtype=np.int32)
+    qsl = np.arange(0, batch * q + 1, q, dtype=np.int32)
+    width = -(-(context_len + q) // runner.block_size)
+    tree = np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (batch, q, q)).copy() if nodes else None
+    return StepInput(
+        input_ids=np.zeros(batch * q, np.int64), positions=np.tile(np.arange(context_len, context_len + q), batch),
+        slot_mapping=np.full(batch * q, -1, np.int64), query_start_loc=qsl, seq_lens=lens,
+        block_tables=np.zeros((batch, width), np.int32),
+        sample_indices=np.arange(batch * q, dtype=np.int64) if nodes else qsl[1:].astype(np.int64) - 1,
+        tree_mask=tree, aux_layers=aux_layers)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_counts: Sequence[int],
+                           context_len: int = 256, warmup: int = 2, iters: int = 5) -> VerifyProfile:
+    """Timed verify forwards and draft rounds; a (batch, nodes) whose step exceeds the scheduler's token budget
+    (it never runs) is left out."""
+    cfg = runner.config
+    context_len = min(context_len, runner.max_model_len - 1 - max(node_counts, default=0))
+    hidden = runner.model_config.hidden_size
+    aux = [torch.zeros(context_len, hidden, dtype=runner.dtype, device=runner.device) for _ in speculator.aux_layers]
+    step_seconds: dict[int, dict[int, float]] = {}
+    draft_seconds: dict[int, float] = {}
+    for b in sorted(set(batch_sizes)):
+        row = {}
+        for n in sorted({0, *node_counts}):
+            if b * (1 + n) > cfg.max_num_batched_tokens or b > cfg.max_num_seqs:
+                continue
+            step = verify_step(runner, b, n, context_len, speculator.aux_layers)
+            row[n] = _seconds(lambda: runner.forward(step).argmax(-1), runner.device, warmup, iters)
+        if 0 not in row:
+            continue
+        step_seconds[b] = row
+        if len(row) > 1:
+            seqs = [SimpleNamespace(seq_id=-1 - i, last_token_id=0, num_tokens=context_len + 1) for i in range(b)]
+            for s in seqs:                                  # a context_len-token drafter context each
+                speculator.observe_at(s, aux, np.arange(context_len), 0)
+            n = max(row)
+            draft_seconds[b] = _seconds(lambda: speculator.propose(seqs, n), runner.device, warmup, iters)
+            for s in seqs:
+                speculator.forget(s)
+    return VerifyProfile(step_seconds, draft_seconds)
+
+
+def measured_budget_policy(runner, speculator) -> BudgetPolicy:
+    """The cost-model policy over a profile measured now, at the batch sizes the engine can run and budgets of
+    the configured maximum, its half and its quarter."""
+    top = speculator.max_budget
+    budgets = sorted({n for n in (top, top // 2, top // 4) if n > 0})
+    most = runner.config.max_num_seqs
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= most] + ([most] if most < 64 else [])
+    profile = measure_verify_profile(runner, speculator, sorted(set(sizes)), budgets)
+    return BudgetPolicy(profile, AcceptanceProfile({n: PRIOR_ACCEPTED for n in budgets if n > 0}))
