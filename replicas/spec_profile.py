@@ -79,6 +79,10 @@ def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_
         if 0 not in row:
             continue
         step_seconds[b] = row
+        if runner.device.type == "cuda":
+            for n in row:
+                if n:
+                    speculator.graph_builder(n)      # tree graphs captured at start-up, not while serving
         if len(row) > 1:
             seqs = [SimpleNamespace(seq_id=-1 - i, last_token_id=0, num_tokens=context_len + 1) for i in range(b)]
             for s in seqs:                                  # a context_len-token drafter context each

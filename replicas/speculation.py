@@ -22,6 +22,7 @@ from speculative.context_cache import PagedDraftContext, upload
 from speculative.cost_model import KNEE_TOKENS, KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.tree import DraftTree, gate_table, prepare_round
+from speculative.tree_gpu import GraphTreeBuilder
 
 
 def default_budget_policy(budget: int, knee_tokens: int = KNEE_TOKENS) -> KneeBudgetPolicy:
@@ -44,6 +45,7 @@ class Speculator:
         self._aux_order = [self.aux_layers.index(i) for i in ids]
         self.policy = default_budget_policy(budget) if budget > 0 else None
         self._builders: dict[int, object] = {}
+        self._graph_builders: dict[int, GraphTreeBuilder] = {}
         self._gates: Optional[Tensor] = None
         cfg = self.cfg
         self.contexts = PagedDraftContext(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, embed_weight.dtype,
@@ -75,7 +77,7 @@ class Speculator:
         runner.capture_aux_graphs(spec.aux_layers)          # CUDA only: plain decode steps stay graphed
         if runner.device.type == "cuda" and spec.max_budget > 0:
             from replicas.spec_profile import measured_budget_policy
-            spec.policy = measured_budget_policy(runner, spec)
+            spec.policy = measured_budget_policy(runner, spec)      # captures the tree graphs of its budgets
         return spec
 
     # ---- budget -----------------------------------------------------------------------------
@@ -90,6 +92,20 @@ class Speculator:
                 dict(budget=n, max_depth=self.cfg.block_size)
             self._builders[n] = make_builder(self.method, **opts)
         return self._builders[n]
+
+    def gates(self, cfg) -> Optional[Tensor]:
+        if cfg.corrected and self._gates is None:
+            self._gates = gate_table(self.drafter.head, self.embed_weight)
+        return self._gates if cfg.corrected else None
+
+    def graph_builder(self, n: int) -> GraphTreeBuilder:
+        """CUDA: the tree for n nodes built by replaying a graph per batch bucket (captured on first use)."""
+        if n not in self._graph_builders:
+            cfg = self.builder(n).cfg
+            self._graph_builders[n] = GraphTreeBuilder(
+                self.drafter.head, self.embed_weight, cfg, self.cfg.block_size, self.vocab_size,
+                self.cfg.hidden_size, self.embed_weight.dtype, gates=self.gates(cfg))
+        return self._graph_builders[n]
 
     # ---- context ----------------------------------------------------------------------------
     def target_hidden(self, aux: list[Tensor], rows: Tensor) -> Tensor:
@@ -135,12 +151,14 @@ class Speculator:
         self.flush()
         block = self.drafter.draft(roots, root_pos, self.contexts.gather([s.seq_id for s in seqs]),
                                    self.embed_weight, self.lm_head_weight)
-        builder = self.builder(n)
-        if builder.cfg.corrected and self._gates is None:
-            self._gates = gate_table(self.drafter.head, self.embed_weight)
-        rnd = prepare_round(self.drafter.head, block.hidden, block.base_logits[..., :self.vocab_size], roots,
-                            self.embed_weight, builder.cfg, self._gates)
-        tree = builder.build(rnd)
+        base = block.base_logits[..., :self.vocab_size]
+        if self.embed_weight.device.type == "cuda":
+            tree = self.graph_builder(n).build(block.hidden, base, roots)
+        else:
+            builder = self.builder(n)
+            rnd = prepare_round(self.drafter.head, block.hidden, base, roots, self.embed_weight, builder.cfg,
+                                self.gates(builder.cfg))
+            tree = builder.build(rnd)
         return tree, tree_rows(tree)
 
 

@@ -99,10 +99,11 @@ class GraphTreeBuilder:
 
     def __init__(self, head, embed_weight: Tensor, cfg: TreeConfig, block_size: int, vocab_size: int,
                  hidden_size: int, dtype: torch.dtype, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                 use_graphs: Optional[bool] = None):
+                 use_graphs: Optional[bool] = None, gates: Optional[Tensor] = None):
+        """gates: `gate_table(head, embed_weight)` when the caller already has it (builders can share it)."""
         self.head, self.embed_weight, self.cfg = head, embed_weight, cfg
         self.device = embed_weight.device
-        self.gates = gate_table(head, embed_weight) if cfg.corrected else None
+        self.gates = (gates if gates is not None else gate_table(head, embed_weight)) if cfg.corrected else None
         self.buckets = sorted(set(batch_sizes))
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         top = self.buckets[-1]

@@ -109,3 +109,25 @@ def test_knee_policy_stops_speculating_where_the_verify_forward_leaves_the_knee(
     policy = KneeBudgetPolicy(16)
     assert [policy.budget(b) for b in (1, 7, 8, 16, 25, 26, 32, 256)] == [16, 16, 15, 7, 4, 0, 0, 0]
     assert KneeBudgetPolicy(2).budget(1) == 2                      # a small budget is not cut to zero
+
+
+def test_graph_tree_builder_with_shared_gates_builds_the_engines_tree():
+    """The CUDA path's GraphTreeBuilder (here eager: no CUDA) with the speculator's shared gate table builds the
+    tree the CPU path builds."""
+    from speculative.tree import prepare_round
+    from speculative.tree_gpu import GraphTreeBuilder
+    spec = make_speculator(seed=4)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, CFG.block_size, CFG.hidden_size, generator=g)
+    base = torch.randn(3, CFG.block_size, CFG.vocab_size, generator=g)
+    roots = torch.tensor([1, 7, 9])
+    cfg = spec.builder(6).cfg
+    want = spec.builder(6).build(prepare_round(spec.drafter.head, hidden, base, roots, spec.embed_weight, cfg,
+                                               spec.gates(cfg)))
+    graphs = GraphTreeBuilder(spec.drafter.head, spec.embed_weight, cfg, CFG.block_size, CFG.vocab_size,
+                              CFG.hidden_size, torch.float32, use_graphs=False, gates=spec.gates(cfg))
+    assert graphs.gates is spec.gates(cfg)
+    got = graphs.build(hidden, base, roots)
+    for a, b in zip((want.tokens, want.parents, want.depths, want.valid), (got.tokens, got.parents, got.depths,
+                                                                          got.valid)):
+        assert torch.equal(a, b)
