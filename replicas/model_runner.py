@@ -179,8 +179,7 @@ class ModelRunner:
             self.graphs.capture(self.graph_aux_layers)
 
     def capture_aux_graphs(self, aux_layers: tuple[int, ...]) -> None:
-        """Decode graphs that also output the residual stream after `aux_layers` (a speculative engine's plain
-        decode steps); kept across later `capture_graphs` calls."""
+        """Decode graphs that also output the residual stream after `aux_layers` (kept across recaptures)."""
         self.graph_aux_layers = tuple(aux_layers)
         if self.graphs is not None:
             self.graphs.capture(self.graph_aux_layers)
@@ -265,9 +264,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compact_kv(self, src_slots, dst_slots) -> None:
-        """Copy the K/V of cache slots `src_slots` to `dst_slots` in every layer (a speculative round keeps its
-        accepted nodes' KV at contiguous positions): one gather and one scatter per range tensor
-        [num_blocks, g, 2, block, Hkv, D]. Sources are read before any destination is written."""
+        """Copy the K/V of slots `src_slots` to `dst_slots` in every layer (a round's accepted nodes), one gather
+        and one scatter per range tensor [num_blocks, g, 2, block, Hkv, D]; all sources are read first."""
         if len(src_slots) == 0:
             return
         from speculative.context_cache import upload

@@ -46,6 +46,7 @@ class Speculator:
         self.policy = default_budget_policy(budget) if budget > 0 else None
         self._builders: dict[int, object] = {}
         self._graph_builders: dict[int, GraphTreeBuilder] = {}
+        self._tree_pool = None
         self._gates: Optional[Tensor] = None
         cfg = self.cfg
         self.contexts = PagedDraftContext(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, embed_weight.dtype,
@@ -101,10 +102,12 @@ class Speculator:
     def graph_builder(self, n: int) -> GraphTreeBuilder:
         """CUDA: the tree for n nodes built by replaying a graph per batch bucket (captured on first use)."""
         if n not in self._graph_builders:
+            if self._tree_pool is None:
+                self._tree_pool = torch.cuda.graph_pool_handle()     # one pool for every budget's graphs
             cfg = self.builder(n).cfg
             self._graph_builders[n] = GraphTreeBuilder(
                 self.drafter.head, self.embed_weight, cfg, self.cfg.block_size, self.vocab_size,
-                self.cfg.hidden_size, self.embed_weight.dtype, gates=self.gates(cfg))
+                self.cfg.hidden_size, self.embed_weight.dtype, gates=self.gates(cfg), pool=self._tree_pool)
         return self._graph_builders[n]
 
     # ---- context ----------------------------------------------------------------------------

@@ -99,9 +99,10 @@ class GraphTreeBuilder:
 
     def __init__(self, head, embed_weight: Tensor, cfg: TreeConfig, block_size: int, vocab_size: int,
                  hidden_size: int, dtype: torch.dtype, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                 use_graphs: Optional[bool] = None, gates: Optional[Tensor] = None):
-        """gates: `gate_table(head, embed_weight)` when the caller already has it (builders can share it)."""
-        self.head, self.embed_weight, self.cfg = head, embed_weight, cfg
+                 use_graphs: Optional[bool] = None, gates: Optional[Tensor] = None, pool=None):
+        """gates: `gate_table(head, embed_weight)` when the caller already has it; pool: a graph memory pool
+        shared with builders that never run at the same time (outputs are cloned right after each replay)."""
+        self.head, self.embed_weight, self.cfg, self.pool = head, embed_weight, cfg, pool
         self.device = embed_weight.device
         self.gates = (gates if gates is not None else gate_table(head, embed_weight)) if cfg.corrected else None
         self.buckets = sorted(set(batch_sizes))
@@ -127,7 +128,7 @@ class GraphTreeBuilder:
             for bs in self.buckets:
                 self._body(bs)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         for bs in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
