@@ -61,7 +61,8 @@ def test_graphed_aux_step_equals_eager(folder):
 
 def test_speculative_engine_on_cuda_matches_plain(folder):
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 400, (int(k),), generator=g).tolist() for k in torch.randint(2, 120, (40,), generator=g)]
+    lengths = torch.randint(2, 120, (40,), generator=g)
+    prompts = [torch.randint(3, 400, (int(k),), generator=g).tolist() for k in lengths]
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
     plain = LLM(model=folder, **KW)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
