@@ -86,7 +86,7 @@ def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_
         if len(row) > 1:
             seqs = [SimpleNamespace(seq_id=-1 - i, last_token_id=0, num_tokens=context_len + 1) for i in range(b)]
             for s in seqs:                                  # a context_len-token drafter context each
-                speculator.observe_at(s, aux, np.arange(context_len), 0)
+                speculator.observe_at(s, aux, range(context_len), 0)
             n = max(row)
             draft_seconds[b] = _seconds(lambda: speculator.propose(seqs, n), runner.device, warmup, iters)
             for s in seqs:

@@ -76,7 +76,7 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
 
     bs = engine.config.block_size
     src, dst = [], []
-    kept: list[tuple[Sequence, int, int, np.ndarray]] = []
+    kept: list[tuple[Sequence, int, int, list[int]]] = []
     for b, seq in enumerate(seqs):
         root, count = seq.num_computed_tokens, int(num_emitted[b])
         for j, token in enumerate(emitted[b, :count].tolist()):
@@ -92,7 +92,7 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
             s, d = root + slots[b, moved], root + moved
             src.append(table[s // bs] * bs + s % bs)
             dst.append(table[d // bs] * bs + d % bs)
-        kept.append((seq, root, k, first_rows[b] + slots[b, :k + 1]))
+        kept.append((seq, root, k, (first_rows[b] + slots[b, :k + 1]).tolist()))
     if src:
         engine.runner.call_all("compact_kv", np.concatenate(src), np.concatenate(dst))
     bm = engine.block_manager

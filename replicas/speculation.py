@@ -117,9 +117,9 @@ class Speculator:
 
     def observe_rows(self, seq: Sequence, aux: list[Tensor], first_row: int, first_position: int, n: int) -> None:
         """A plain row of the step: its n computed tokens, from step row `first_row`, at first_position..+n-1."""
-        self.observe_at(seq, aux, np.arange(first_row, first_row + n), first_position)
+        self.observe_at(seq, aux, range(first_row, first_row + n), first_position)
 
-    def observe_at(self, seq: Sequence, aux: list[Tensor], rows: np.ndarray, first_position: int) -> None:
+    def observe_at(self, seq: Sequence, aux: list[Tensor], rows, first_position: int) -> None:
         """Step rows `rows` of `aux` hold seq's tokens at first_position, +1, ... Only bookkeeping here: the
         step's rows are projected together, once, when the step's observations are complete (`flush`)."""
         if len(rows) == 0:
@@ -127,7 +127,7 @@ class Speculator:
         if self._pending.aux is not None and self._pending.aux is not aux:
             self.flush()
         slots = self.contexts.reserve(seq.seq_id, first_position, len(rows))
-        self._pending.add(aux, rows, np.arange(first_position, first_position + len(rows)), slots)
+        self._pending.add(aux, rows, range(first_position, first_position + len(rows)), slots)
 
     @torch.inference_mode()
     def flush(self) -> None:
@@ -135,8 +135,7 @@ class Speculator:
         p = self._pending
         if p.aux is None:
             return
-        packed = upload(np.stack([np.concatenate(p.rows), np.concatenate(p.positions), np.concatenate(p.slots)]),
-                        self.contexts.device)
+        packed = upload(np.asarray([p.rows, p.positions, p.slots], dtype=np.int64), self.contexts.device)
         hidden = self.target_hidden(p.aux, packed[0]).to(self.embed_weight.dtype)
         self.contexts.write(packed[2], self.drafter.backbone.context(hidden[None], packed[1][None]))
         self._pending = _PendingRows()
@@ -194,12 +193,13 @@ class _PendingRows:
 
     def __init__(self):
         self.aux: Optional[list[Tensor]] = None
-        self.rows: list[np.ndarray] = []
-        self.positions: list[np.ndarray] = []
-        self.slots: list[np.ndarray] = []
+        self.rows: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
 
-    def add(self, aux: list[Tensor], rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+    def add(self, aux: list[Tensor], rows, positions, slots: list[int]) -> None:
+        """rows, positions: ranges or int arrays of one sequence's entries."""
         self.aux = aux
-        self.rows.append(rows)
-        self.positions.append(positions)
-        self.slots.append(slots)
+        self.rows.extend(rows)
+        self.positions.extend(positions)
+        self.slots.extend(slots)

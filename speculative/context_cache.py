@@ -55,9 +55,10 @@ class PagedDraftContext:
             n = e
         return 0
 
-    def reserve(self, seq_id: int, position: int, count: int) -> np.ndarray:
+    def reserve(self, seq_id: int, position: int, count: int) -> list[int]:
         """Room for `count` entries at positions position .. +count-1 (after cutting back to below
-        `position`); returns their flat pool slots [count] int64 (page * page_size + offset)."""
+        `position`); returns their flat pool slots (page * page_size + offset). A decode's single entry takes
+        the scalar path: this runs once per sequence per step."""
         start = self._kept(seq_id, position)
         runs = self.runs[seq_id]
         if not runs or runs[-1][0] + start - runs[-1][1] != position:
@@ -65,12 +66,16 @@ class PagedDraftContext:
         end = start + count
         pages = self.pages.setdefault(seq_id, [])
         need = -(-end // self.page_size) - len(pages)
-        if need > len(self.free):
-            self._grow(need - len(self.free))
-        pages.extend(self.free.pop() for _ in range(max(0, need)))
+        if need > 0:
+            if need > len(self.free):
+                self._grow(need - len(self.free))
+            pages.extend(self.free.pop() for _ in range(need))
         self.lengths[seq_id] = end
+        size = self.page_size
+        if count == 1:
+            return [pages[start // size] * size + start % size]
         idx = np.arange(start, end)
-        return np.asarray(pages, dtype=np.int64)[idx // self.page_size] * self.page_size + idx % self.page_size
+        return (np.asarray(pages, dtype=np.int64)[idx // size] * size + idx % size).tolist()
 
     def _grow(self, at_least: int) -> None:
         old = self.pool.shape[2]
