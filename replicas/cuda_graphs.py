@@ -49,7 +49,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.graphs: dict[tuple[int, ...], dict[int, GraphEntry]] = {}    # aux layers -> batch size -> entry
-        self._keep: list = []                # the CUDA graph objects (an entry only holds a bound replay)
         self.pool = None
 
     def _context(self, b: int) -> ForwardContext:
@@ -67,8 +66,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden, aux = self._forward(b, aux_layers)
-        self._keep.append(graph)
-        return GraphEntry(graph.replay, hidden, list(aux))
+        return GraphEntry(graph.replay, hidden, list(aux))       # the bound replay keeps the graph alive
 
     @torch.inference_mode()
     def capture(self, aux_layers: tuple[int, ...] = ()) -> None:
