@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # H200 session, call 3 of 3 (2 GPUs): tidal serve on the GPU (TP=1 default model, TP=2 NCCL) with the openai
 # SDK, the TP=2 elastic reserve measured, Serve overhead vs the engine, the ShareGPT serving sweep.
+# Carry limit: the Ray bundle (52 MiB) and the bundled drafter's weights (22.8 MB) do not fit in one call's
+# 64 MiB; move speculative/drafters/*/model.safetensors out of the tree for this call (the speculative
+# setting reads the drafter staged in /root/models/drafter by p1/p2) and back afterwards.
 set -u
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .bundle/ray-serve-cp312.tar.xz
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/openai-*.whl .whl/httpx2-*.whl \
