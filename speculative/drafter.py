@@ -20,10 +20,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from replicas.config import ModelConfig
+from speculative.drafter_weights import load_weights, save_weights
 
 
 def evenly_spaced_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
@@ -269,10 +269,9 @@ class DominoDrafter(nn.Module):
         hidden = self.backbone(embeds, pos, ctx, mask)
         return DraftBlock(hidden, hidden @ lm_head_weight.to(hidden.dtype).t())
 
-    def save(self, folder: str) -> None:
+    def save(self, folder: str, int8: bool = False) -> None:
         os.makedirs(folder, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
-                  os.path.join(folder, "model.safetensors"))
+        save_weights(self.state_dict(), folder, int8)
         with open(os.path.join(folder, "config.json"), "w") as f:
             f.write(self.cfg.to_json())
 
@@ -281,5 +280,5 @@ class DominoDrafter(nn.Module):
         with open(os.path.join(folder, "config.json")) as f:
             cfg = DrafterConfig.from_json(f.read())
         model = DominoDrafter(cfg)
-        model.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+        model.load_state_dict(load_weights(folder))
         return model.to(device=device, dtype=dtype)

@@ -29,3 +29,20 @@ def test_smollm2_gets_its_bundled_drafter(smollm2_config):
 
 def test_another_shape_gets_none(smollm2_config):
     assert bundled_drafter(dataclasses.replace(smollm2_config, num_hidden_layers=31)) is None
+
+
+def test_int8_weights_round_trip(tmp_path):
+    torch = pytest.importorskip("torch")
+    from speculative.drafter import DrafterConfig
+    cfg = DrafterConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, target_layer_ids=(0, 1), block_size=4, gru_hidden=16,
+                        correction_rank=8)
+    torch.manual_seed(0)
+    drafter = DominoDrafter(cfg)
+    drafter.save(str(tmp_path / "plain"))
+    drafter.save(str(tmp_path / "int8"), int8=True)
+    assert sorted(os.listdir(tmp_path / "int8")) == ["config.json", "model.int8.safetensors.xz"]
+    plain, packed = DominoDrafter.load(str(tmp_path / "plain")), DominoDrafter.load(str(tmp_path / "int8"))
+    for (name, a), (_, b) in zip(plain.named_parameters(), packed.named_parameters()):
+        assert torch.equal(a, b) if a.dim() < 2 or a.numel() < 4096 else \
+            (a - b).abs().max() <= a.abs().amax(dim=1).max() / 127 * 0.51, name

@@ -4,7 +4,6 @@
 # .drafter/part-aa, kept on the machine for the next calls.
 set -u
 bash .stage/smollm2-1/keep.sh || true
-mkdir -p /root/models/drafter_parts && cp .drafter/part-aa /root/models/drafter_parts/
 export PYTHONPATH=$PWD:$PWD/tests
 nvidia-smi -L
 cp bench/results/elastic.json $OUT/elastic.json

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # H200 session, call 3 of 3 (2 GPUs): tidal serve on the GPU (TP=1 default model, TP=2 NCCL) with the openai
 # SDK, the TP=2 elastic reserve measured, Serve overhead vs the engine, the ShareGPT serving sweep.
-# Carry limit: the Ray bundle (52 MiB) and the bundled drafter's weights (22.8 MB) do not fit in one call's
-# 64 MiB; move speculative/drafters/*/model.safetensors out of the tree for this call (the speculative
-# setting reads the drafter staged in /root/models/drafter by p1/p2) and back afterwards.
+# Carry limit: the tree is ~12 MB (10.5 of it the bundled drafter), so the Ray bundle (52 MiB) no longer
+# fits in one call together with .whl (openai) and .data/sharegpt_pairs.json. Stage the bundle like the GGUF
+# (`../shared/device/stage ray /root/bundle .bundle/ray-serve-cp312.tar.xz`, its parts riding with p1 and
+# p2) and extract /root/bundle/.bundle/ray-serve-cp312.tar.xz here instead of .bundle/.
 set -u
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .bundle/ray-serve-cp312.tar.xz
+B=.bundle/ray-serve-cp312.tar.xz; [ -f /root/bundle/$B ] && B=/root/bundle/$B
+mkdir -p /tmp/site && tar -C /tmp/site -xJf $B
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/openai-*.whl .whl/httpx2-*.whl \
     .whl/httpcore2-*.whl .whl/truststore-*.whl .whl/jiter-*.whl .whl/distro-*.whl .whl/sniffio-*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0
@@ -20,6 +22,6 @@ timeout 110 python3 -m bench.serve_overhead --device cuda --num-prompts 128 --ma
     --out $OUT/serve_overhead.json > $OUT/serve_overhead.txt 2>&1
 echo "overhead rc=$?"; tail -12 $OUT/serve_overhead.txt
 timeout 180 python3 -m bench.serving_sweep --rates 32,inf --num-prompts 64 --dataset-path .data/sharegpt_pairs.json \
-    --tokenizer $G --drafter /root/models/drafter --out-dir /tmp/serving > $OUT/sweep.txt 2>&1
+    --tokenizer $G --out-dir /tmp/serving > $OUT/sweep.txt 2>&1
 echo "sweep rc=$?"; tail -12 $OUT/sweep.txt
 tar -C /tmp -czf $OUT/serving.tgz serving
