@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # H200 session, call 1 of 3 (nvidia-h200-x2): the KV range layout on the GPU (VMM decommit/recommit per layers
-# per range, decode roofline and attention, elastic + engine GPU tests). Carries .stage/smollm2-1 and
-# .drafter/part-aa, kept on the machine for the next calls.
+# per range, decode roofline and attention, elastic + engine GPU tests). Carries .stage/smollm2-1, kept on the
+# machine for the next calls.
 set -u
 bash .stage/smollm2-1/keep.sh || true
 export PYTHONPATH=$PWD:$PWD/tests
