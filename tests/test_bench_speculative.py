@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-import bench.speculative as bench_spec
-from bench.speculative import builder_identity, main, time_tree_build
+import bench.tree_builder as tree_bench
+from bench.speculative import main
+from bench.tree_builder import builder_identity, time_tree_build
 from checkpoints import make_tiny_llama
 from support.greedy import compare_greedy
 
@@ -88,7 +89,7 @@ def test_tree_build_timing_path_runs_on_cpu(bench, monkeypatch, mode):
     """The CUDA timing routine with its timer stubbed: it drafts with the engine's drafter, builds with the
     engine's builder, and its real rounds match the reference builder, eager and through GraphTreeBuilder."""
     from replicas import LLM
-    monkeypatch.setattr(bench_spec, "cuda_ms", lambda fn, rounds, warmup=20: (fn(), 0.0)[1])
+    monkeypatch.setattr(tree_bench, "cuda_ms", lambda fn, rounds, warmup=20: (fn(), 0.0)[1])
     llm = LLM(model=bench[0], device="cpu", speculative=mode, allow_random_drafter=True, max_num_seqs=2)
     try:
         out = time_tree_build(llm.engine.speculator, 16, rounds=1, checks=1)
