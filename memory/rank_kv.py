@@ -169,7 +169,8 @@ def build_rank_kv(runner, mode: str, num_base_blocks: Optional[int] = None, num_
         memory = LogicalReserve(runner.kv_storages, num_base_blocks, num_reserve_blocks)
     if mode != "off" and num_reserve_blocks == 0:
         memory.close()
-        raise ValueError("the reserve rounds to zero blocks: elastic KV has nothing to lend")
+        raise ValueError("the reserve rounds to zero blocks: elastic KV has nothing to lend (on CPU the logical "
+                         "reserve is sized by reserve_blocks, `tidal serve --reserve-blocks N`)")
     runner.bind_kv_caches(memory.storages)
     kept = sizing.kept_bytes if sizing is not None else 0
     return RankKV(memory, runner.device, num_base_blocks, num_reserve_blocks, lend_tokens, kept,
