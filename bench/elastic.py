@@ -26,7 +26,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -35,6 +34,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.shapes import SHAPES, write_shape  # noqa: E402
 from memory.elastic import ElasticPolicy, attach_elastic  # noqa: E402
 from memory.kv_layout import LAYERS_PER_RANGE, layers_per_range  # noqa: E402
 from memory.reserve import profile_reserve  # noqa: E402
@@ -44,26 +44,12 @@ from replicas.config import EngineConfig  # noqa: E402
 from replicas.engine import LLMEngine  # noqa: E402
 from replicas.model_runner import ModelRunner  # noqa: E402
 
-SHAPES = {
-    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, eos_token_id=128009),
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
-                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, eos_token_id=151645),
-}
+# Llama-3-8B at Llama 3.1's context: the negative section sends 8192-token prompts plus their output.
+CONTEXT = {"llama3-8b": dict(max_position_embeddings=131072)}
 
 
-def write_shape(shape: dict, tp: int = 1) -> str:
-    cfg = dict(shape)
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        cfg[key] //= tp
-    folder = tempfile.mkdtemp(prefix=f"elastic-tp{tp}-")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return folder
+def shape_folder(name: str, tp: int = 1) -> str:
+    return write_shape(name, tp, **CONTEXT.get(name, {}))
 
 
 def ms_stats(seconds: list[float]) -> dict:
@@ -159,12 +145,11 @@ def section_vmm(args, out: dict) -> None:
 
 # ---- sizing --------------------------------------------------------------------------------------------
 def section_sizing(args, out: dict) -> None:
-    shape = SHAPES[args.model]
     free0, total = torch.cuda.mem_get_info()
     context = total - free0                                    # CUDA context and whatever else is resident
     per_tp = {}
     for tp in (1, 2, 4):
-        cfg = EngineConfig(model=write_shape(shape, tp), load_format="dummy", max_num_batched_tokens=args.budget,
+        cfg = EngineConfig(model=shape_folder(args.model, tp), load_format="dummy", max_num_batched_tokens=args.budget,
                            max_num_seqs=args.max_num_seqs)
         runner = ModelRunner(cfg)
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -237,7 +222,7 @@ def mixed_arrivals(vocab: int, steps: int, seed: int = 0) -> dict[int, list]:
 
 
 def section_cycles(args, out: dict) -> None:
-    folder, shape = write_shape(SHAPES[args.model]), SHAPES[args.model]
+    folder, shape = shape_folder(args.model), SHAPES[args.model]
     arrivals = mixed_arrivals(shape["vocab_size"], args.cycle_steps)
     runs = {}
     for mode in ("off", "elastic"):
@@ -297,7 +282,7 @@ def timed_load(engine, prompts: list[list[int]], rate: float, max_tokens: int) -
 
 
 def section_negative(args, out: dict) -> None:
-    folder, shape = write_shape(SHAPES[args.model]), SHAPES[args.model]
+    folder, shape = shape_folder(args.model), SHAPES[args.model]
     rng = random.Random(1)
     prompts = [[rng.randrange(3, shape["vocab_size"] - 1) for _ in range(rng.randint(512, 8192))]
                for _ in range(args.requests)]
@@ -331,7 +316,7 @@ def section_tp2(args, out: dict) -> None:
         print("tp2: fewer than 2 GPUs, skipped", flush=True)
         return
     from replicas import LLM
-    llm = LLM(model=write_shape(SHAPES[args.model]), load_format="dummy", tensor_parallel_size=2,
+    llm = LLM(model=shape_folder(args.model), load_format="dummy", tensor_parallel_size=2,
               elastic="elastic", max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs)
     try:
         kv = llm.engine.runner.kv

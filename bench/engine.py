@@ -20,28 +20,17 @@ import gc
 import json
 import os
 import random
-import tempfile
 import time
 
 import torch
 
+from bench.shapes import SHAPES, write_shape
 from bench.roofline import Ceilings, classify_step, cuda_time_ms, print_profile, profile_kernels
 from memory.block_manager import BlockManager
 from replicas import LLM, SamplingParams
 from replicas.scheduler import ScheduledBatch
 from replicas.sequence import Sequence
 from replicas.step_input import StepInput
-
-SHAPES = {
-    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False),
-}
-
 
 def workload(n: int, vocab: int, seed: int = 0):
     rng = random.Random(seed)
@@ -59,10 +48,7 @@ def params_of(lens):
 def make_llm(shape: str, **kw) -> LLM:
     if shape == "smollm2":
         return LLM(**kw)
-    folder = tempfile.mkdtemp(prefix=f"tidal-{shape}-")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(SHAPES[shape], f)
-    return LLM(model=folder, load_format="dummy", **kw)
+    return LLM(model=write_shape(shape), load_format="dummy", **kw)
 
 
 def weight_bytes(model) -> int:
@@ -78,14 +64,13 @@ def fake_batch(engine, batch: int, ctx: int, new_tokens: int) -> tuple[Scheduled
     for i in range(batch):
         s = Sequence(f"bench{i}", 0, [7] * ctx, SamplingParams(max_tokens=1), 0, 0.0)
         s.num_computed_tokens = ctx - new_tokens
-        s.block_table = [bm._take_free().block_id for _ in range(-(-ctx // bm.block_size))]
+        bm.allocate(s, new_tokens)
         seqs.append(s)
     return ScheduledBatch(seqs, [new_tokens] * batch), seqs
 
 
 def release(engine, seqs):
     for s in seqs:
-        s.num_computed_tokens = 0
         engine.block_manager.free(s)
 
 

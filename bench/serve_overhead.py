@@ -34,10 +34,8 @@ import platform
 import random
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
 import aiohttp
@@ -47,13 +45,12 @@ from cluster.app import AppArgs, engine_config
 from cluster.benchmark.report import Summary
 from cluster.local_server import LocalServer
 from cluster.protocol import CompletionRequest
+from cluster.serve_cmd import READY_TIMEOUT_S
 from replicas.async_engine import AsyncLLMEngine
 from replicas.config import EngineConfig
 
-REPO = Path(__file__).resolve().parent.parent
 TTFT_TARGET_MS = 5.0
 THROUGHPUT_TARGET = 0.90
-READY_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -169,12 +166,9 @@ async def measure_serve(base_url: str, model_id: str, work: Workload) -> dict:
 
 def resolve_model(args: argparse.Namespace) -> Optional[str]:
     """A bench.engine shape name with --load-format dummy becomes a folder holding its config.json."""
-    from bench.engine import SHAPES
+    from bench.shapes import SHAPES, write_shape
     if args.load_format == "dummy" and args.model in SHAPES:
-        folder = tempfile.mkdtemp(prefix=f"tidal-{args.model}-")
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(SHAPES[args.model], f)
-        return folder
+        return write_shape(args.model)
     return os.path.abspath(args.model) if args.model else None
 
 
@@ -251,7 +245,7 @@ def report(res: dict) -> None:
 def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF file, HF folder, or with --load-format dummy a folder "
-                                                   "with a config.json or a bench.engine shape (qwen3-0.6b, llama3-8b)")
+                                                   "with a config.json or a bench.shapes shape (qwen3-0.6b, llama3-8b)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--num-prompts", type=int, default=256, help="requests of the loaded run")

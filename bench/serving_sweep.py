@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from cluster.local_server import LocalServer
+from cluster.serve_cmd import READY_TIMEOUT_S
 from cluster.cli import main as tidal_main
 
 CONFIG_FLAGS = {"plain": [], "speculative": ["--speculative", "dominotree"], "elastic": ["--elastic", "elastic"]}
@@ -31,7 +32,7 @@ def sweep_one(name: str, args: argparse.Namespace) -> dict:
         flags += ["--drafter", args.drafter]
     server = LocalServer(flags)
     try:
-        server.wait_ready(900.0)
+        server.wait_ready(READY_TIMEOUT_S)
         out = Path(args.out_dir) / name
         argv = ["bench", "sweep", "--base-url", server.url, "--dataset", "sharegpt", "--num-prompts",
                 str(args.num_prompts), "--rates", args.rates, "--goodput", *args.goodput, "--seed", "0",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,13 +14,9 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from replicas.distributed.launch import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tidal_command() -> list[str]:

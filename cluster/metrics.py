@@ -161,12 +161,11 @@ class StatsRecorder:
         self._prev_by_position: list[int] = []
         self._modes: set[str] = set()                 # elastic modes seen; all but the current one export 0
         self._settings: dict[str, float] = {}         # knob -> the value the controller last set
-        self._latency_seen = {"lend_total": 0, "reclaim_total": 0}
 
     def record(self, stats: EngineStats, timings: Sequence[RequestTimings] = ()) -> None:
-        self._record_counters(stats)
+        increments = self._record_counters(stats)
         self._record_gauges(stats)
-        self._record_elastic_latencies(stats)
+        self._record_elastic_latencies(stats, increments)
         self._record_timings(timings)
 
     def record_controller_decision(self, knob: str, value: float, reason: str) -> None:
@@ -174,10 +173,13 @@ class StatsRecorder:
         self._settings[knob] = float(value)
         self.sink.set(METRICS["controller_setting"], float(value), {**self.labels, "knob": knob})
 
-    def _record_counters(self, stats: EngineStats) -> None:
+    def _record_counters(self, stats: EngineStats) -> dict[str, float]:
+        """Exports each counter's increase since the previous snapshot; returns the increases by field."""
+        increments = {}
         for field, name in COUNTER_FIELDS:
             now = getattr(stats, field)
-            self._inc(METRICS[name], _increment(self._prev[field], now), self.labels)
+            increments[field] = _increment(self._prev[field], now)
+            self._inc(METRICS[name], increments[field], self.labels)
             self._prev[field] = now
         by_position = list(stats.spec_accepted_by_position)
         spec = METRICS["spec_decode_num_accepted_tokens_per_pos"]
@@ -185,6 +187,7 @@ class StatsRecorder:
             before = self._prev_by_position[pos] if pos < len(self._prev_by_position) else 0
             self._inc(spec, _increment(before, now), {**self.labels, "position": str(pos)})
         self._prev_by_position = by_position
+        return increments
 
     def _record_gauges(self, stats: EngineStats) -> None:
         values = {
@@ -206,14 +209,12 @@ class StatsRecorder:
         for knob, value in list(self._settings.items()):
             self.sink.set(METRICS["controller_setting"], value, {**self.labels, "knob": knob})
 
-    def _record_elastic_latencies(self, stats: EngineStats) -> None:
+    def _record_elastic_latencies(self, stats: EngineStats, increments: dict[str, float]) -> None:
         # The stats carry the newest samples (not drained on read); the lend/reclaim totals say how many
         # are new since the previous snapshot.
         for total, field, name in (("lend_total", "lend_latencies", "elastic_lend_seconds"),
                                    ("reclaim_total", "reclaim_latencies", "elastic_reclaim_seconds")):
-            now = getattr(stats, total)
-            new = int(_increment(self._latency_seen[total], now))
-            self._latency_seen[total] = now
+            new = int(increments[total])
             samples = list(getattr(stats, field, None) or [])[-new:] if new else []
             if samples:
                 self.sink.observe(METRICS[name], samples, self.labels)

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional, Union
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from cluster.metrics import ReplicaMetrics
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
 from replicas.async_engine import AsyncLLMEngine, RequestError
@@ -43,12 +44,6 @@ class MetricsPump(threading.Thread):
 
     @staticmethod
     def _load_recorder(model_name: str, replica_id: str):
-        try:
-            from cluster.metrics import ReplicaMetrics
-        except ModuleNotFoundError as e:
-            if e.name != "cluster.metrics":
-                logger.warning("cluster.metrics failed to import (%s); replica metrics are off", e)
-            return None
         try:
             return ReplicaMetrics(model_name, replica_id)
         except Exception:
@@ -97,19 +92,18 @@ def _deltas(out: RequestOutput, reported: set[int]) -> list[ChoiceDelta]:
 
 
 def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
-    """Consecutive deltas of the same choices as one delta per choice (text, tokens and logprobs in order)."""
+    """Consecutive deltas of the same choices as one delta per choice (text, tokens and logprobs in order); a
+    choice with one delta passes through, the inputs are never modified."""
     merged: dict[int, ChoiceDelta] = {}
     for d in deltas:
         m = merged.get(d.index)
         if m is None:
-            merged[d.index] = ChoiceDelta(d.index, d.text, list(d.token_ids),
-                                          list(d.logprobs) if d.logprobs is not None else None, d.finish_reason)
+            merged[d.index] = d
             continue
-        m.text += d.text
-        m.token_ids += d.token_ids
-        if d.logprobs is not None:
-            m.logprobs = (m.logprobs or []) + list(d.logprobs)
-        m.finish_reason = d.finish_reason or m.finish_reason
+        logprobs = m.logprobs + d.logprobs if m.logprobs is not None and d.logprobs is not None else \
+            (m.logprobs or d.logprobs)
+        merged[d.index] = ChoiceDelta(d.index, m.text + d.text, m.token_ids + d.token_ids, logprobs,
+                                      d.finish_reason or m.finish_reason)
     return list(merged.values())
 
 

@@ -88,12 +88,21 @@ class BlockManager:
             block_id, _ = self.free_reserve.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        if block.hash is not None:               # lazy eviction of a cached, unreferenced block
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, None
+        self._evict(block)                       # lazy eviction of a cached, unreferenced block
         block.ref_count = 1
         return block
+
+    def _evict(self, block: Block) -> bool:
+        """Drop the block's prefix-cache entry, if it has one."""
+        if block.hash is None:
+            return False
+        if self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = None, None
+        return True
+
+    def _free_list(self, block_id: int) -> OrderedDict:
+        return self.free_reserve if self.is_reserve(block_id) else self.free_base
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
@@ -129,13 +138,21 @@ class BlockManager:
             if self.is_reserve(block_id):
                 assert self.reserve_usable and self.reserve_mapped, "prefix hit in a reserve that is not lent"
             if block.ref_count == 0:
-                (self.free_reserve if self.is_reserve(block_id) else self.free_base).pop(block_id)
+                self._free_list(block_id).pop(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
         cached = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = cached
         self.hits += cached
         return cached
+
+    def unmatch_prefix(self, seq: Sequence) -> None:
+        """Undo `match_prefix` for an admission that did not fit: the blocks go back and the lookup is not
+        counted (the head of the queue is looked up again at every step until it fits)."""
+        if self.enable_prefix_caching:
+            self.queries -= seq.num_tokens
+            self.hits -= seq.num_computed_tokens
+        self.free(seq)
 
     def commit_full_blocks(self, seq: Sequence, num_committed_before: int) -> None:
         """Register the hashes of blocks that became full (their tokens' KV is now written)."""
@@ -166,9 +183,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
-                if block.hash is None or not self.enable_prefix_caching:
-                    block.hash, block.token_ids = None, None
-                (self.free_reserve if self.is_reserve(block_id) else self.free_base)[block_id] = None
+                self._free_list(block_id)[block_id] = None
 
     # ---- elastic reserve protocol -----------------------------------------------------------
     def set_reserve_mapped(self, mapped: bool) -> None:
@@ -183,15 +198,7 @@ class BlockManager:
 
     def evict_free_reserve(self) -> int:
         """Drop prefix-cache entries held by free reserve blocks. Returns how many were evicted."""
-        evicted = 0
-        for block_id in self.free_reserve:
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                if self.hash_to_block.get(block.hash) == block_id:
-                    del self.hash_to_block[block.hash]
-                block.hash, block.token_ids = None, None
-                evicted += 1
-        return evicted
+        return sum(self._evict(self.blocks[block_id]) for block_id in self.free_reserve)
 
     def plan_migration(self) -> dict[int, int]:
         """Map each live reserve block to a free base block (as many as base has room for).

@@ -166,8 +166,7 @@ class ElasticKV:
             if len(bm.reserve_blocks_in_use()) <= len(bm.free_base):
                 break
             if any(bm.is_reserve(b) for b in seq.block_table):
-                sched.running.remove(seq)
-                sched._preempt(seq)
+                sched.preempt(seq)
                 n += 1
         return n
 

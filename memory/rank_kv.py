@@ -33,7 +33,6 @@ class LogicalReserve:
         self.caches = layer_views(storages)
         self.reserve_bytes = sum(s[num_base:].numel() * s.element_size() for s in storages)
         self.mapped = False
-        self.timings: dict[str, float] = {}
         self._gen = torch.Generator(storages[0].device).manual_seed(1234)
 
     def _scribble(self) -> None:

@@ -51,13 +51,11 @@ class AsyncLLMEngine:
                     continue
                 with self._lock:
                     outputs = self.engine.step()
-                for out in outputs:
-                    self._publish(out)
+                self._publish([(out.request_id, out) for out in outputs])
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
             log.error("engine loop died: %s", traceback.format_exc())
             self._error = e
-            for rid in list(self._streams):
-                self._publish_error(rid, EngineDeadError(f"engine loop died: {e!r}"))
+            self._publish([(rid, EngineDeadError(f"engine loop died: {e!r}")) for rid in list(self._streams)])
 
     def _drain_commands(self) -> None:
         while True:
@@ -71,28 +69,19 @@ class AsyncLLMEngine:
                     try:
                         self.engine.add_request(rid, prompt, params)
                     except RequestError as e:
-                        self._publish_error(rid, e)
+                        self._publish([(rid, e)])
                 elif cmd == "abort":
                     self.engine.abort(args[0])
-                elif cmd == "call":
-                    fn, fut_loop, fut = args
-                    try:
-                        res = fn()
-                        fut_loop.call_soon_threadsafe(_set_result, fut, res)
-                    except BaseException as e:  # noqa: BLE001
-                        fut_loop.call_soon_threadsafe(_set_exception, fut, e)
 
-    def _publish(self, out: RequestOutput) -> None:
-        entry = self._streams.get(out.request_id)
-        if entry is not None:
-            loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, out)
-
-    def _publish_error(self, rid: str, err: BaseException) -> None:
-        entry = self._streams.get(rid)
-        if entry is not None:
-            loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, err)
+    def _publish(self, items: list[tuple[str, object]]) -> None:
+        """Hand outputs (or errors) to their streams: one wake-up per event loop per step, not per output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, item in items:
+            entry = self._streams.get(rid)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     # ---- the async API ----------------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -137,14 +126,6 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
-    async def call_in_loop(self, fn):
-        """Run `fn()` on the engine thread between steps (runtime knobs, stats)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._commands.put(("call", fn, loop, fut))
-        self._wake.set()
-        return await fut
-
     def stats(self) -> EngineStats:
         with self._lock:
             return self.engine.get_stats()
@@ -170,11 +151,6 @@ class AsyncLLMEngine:
         self.engine.shutdown()
 
 
-def _set_result(fut: asyncio.Future, res) -> None:
-    if not fut.done():
-        fut.set_result(res)
-
-
-def _set_exception(fut: asyncio.Future, e: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(e)
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)

@@ -35,9 +35,9 @@ class GraphEntry:
 
 
 class DecodeGraphs:
-    def __init__(self, model, backend, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int,
+    def __init__(self, model, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int,
                  max_model_len: int):
-        self.model, self.backend, self.device = model, backend, device
+        self.model, self.device = model, device
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         n = self.sizes[-1]

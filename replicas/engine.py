@@ -7,13 +7,12 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 from functools import partial
-import socket
 import time
 from typing import Optional, Union
 
 from memory.block_manager import BlockManager
 from replicas.config import EngineConfig
-from replicas.distributed.launch import ProcessLauncher, WorkerLauncher
+from replicas.distributed.launch import ProcessLauncher, WorkerLauncher, free_port
 from replicas.model_runner import ModelRunner
 from replicas.outputs import Logprob, RequestOutput
 from replicas.request import Request, RequestError
@@ -26,12 +25,6 @@ from replicas.stats import EngineStats, RequestTimings
 from replicas.step_input import StepInput
 
 Prompt = Union[str, list[int]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LLMEngine:
@@ -49,7 +42,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)))
 
         tp = config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}" if tp > 1 else None
+        init_method = f"tcp://127.0.0.1:{free_port()}" if tp > 1 else None
         self.launcher = worker_launcher or (ProcessLauncher() if tp > 1 else None)
         for rank in range(1, tp):
             self.launcher.launch(config, rank, tp, init_method)

@@ -19,6 +19,7 @@ from replicas.distributed.communicator import GlooCommunicator, NcclCommunicator
 from replicas.distributed.parallel_state import set_tp_group
 from replicas.models import model_class
 from replicas.step_input import StepInput
+from replicas.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class ModelRunner:
             return
         from replicas.cuda_graphs import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self.model, self.backend, self.device, self.config.max_num_seqs,
+        self.graphs = DecodeGraphs(self.model, self.device, self.config.max_num_seqs,
                                    -(-self.max_model_len // self.block_size), self.max_model_len)
         self.graphs.capture()
         if self.graph_aux_layers:
@@ -268,8 +269,7 @@ class ModelRunner:
         and one scatter per range tensor [num_blocks, g, 2, block, Hkv, D]; all sources are read first."""
         if len(src_slots) == 0:
             return
-        from speculative.context_cache import upload
-        slots = upload(np.stack([np.asarray(src_slots, np.int64), np.asarray(dst_slots, np.int64)]), self.device)
+        slots = to_device(np.stack([np.asarray(src_slots, np.int64), np.asarray(dst_slots, np.int64)]), self.device)
         blocks, offsets = slots // self.block_size, slots % self.block_size
         for storage in self.kv_storages:
             storage[blocks[1], :, :, offsets[1]] = storage[blocks[0], :, :, offsets[0]]

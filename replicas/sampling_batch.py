@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from replicas.sampling_params import SamplingParams
+from replicas.transfer import to_device
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -69,7 +70,7 @@ class SamplingBatch:
         requested = [p.logprobs for p in params if p.logprobs is not None]
 
         def tensor(values, dtype):
-            return _to_device(torch.tensor(values, dtype=dtype), device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         return SamplingBatch(
             vocab_size=vocab_size,
@@ -95,13 +96,6 @@ class SamplingBatch:
         )
 
 
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """Copy without a stream sync: from pinned memory, asynchronously, when the target is a GPU."""
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _effective_top_k(top_k: int, vocab_size: int) -> int:
     return vocab_size if top_k <= 0 or top_k >= vocab_size else top_k
 
@@ -122,7 +116,7 @@ def _padded_ids(lists: list[Sequence[int]], vocab_size: int) -> torch.Tensor:
 
 def _scatter_ids(lists: list[Sequence[int]], vocab_size: int, device, dtype) -> torch.Tensor:
     """[B, V] with out[b, t] = number of times t occurs in lists[b] (cast to dtype)."""
-    ids = _to_device(_padded_ids(lists, vocab_size), device)
+    ids = to_device(_padded_ids(lists, vocab_size), device)
     out = torch.zeros(len(lists), vocab_size + 1, dtype=torch.float32, device=device)
     out.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
     return out[:, :vocab_size].to(dtype)
@@ -140,7 +134,7 @@ def _build_penalties(params, output_token_ids, prompt_token_ids, vocab_size, dev
     seen = _scatter_ids(prompts, vocab_size, device, torch.bool) | (counts > 0)
 
     def column(values):
-        return _to_device(torch.tensor(values, dtype=torch.float32).unsqueeze(1), device)
+        return to_device(torch.tensor(values, dtype=torch.float32).unsqueeze(1), device)
 
     return PenaltyState(
         repetition=column([float(p.repetition_penalty) for p in params]),

@@ -74,7 +74,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """A running sequence back to the head of the queue, its blocks freed (it recomputes when readmitted)."""
+        self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -97,8 +99,7 @@ class Scheduler:
             n = 1 + d if d else min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
                 victim = running.pop()              # newest first
-                self.running.remove(victim)
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
@@ -118,7 +119,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_allocate(seq, n):
                 if fresh:
-                    bm.free(seq)                       # give back the cache hits; retry next step
+                    bm.unmatch_prefix(seq)             # give back the cache hits; retry next step
                 break
             self.waiting.popleft()
             if seq.first_scheduled_time is None:

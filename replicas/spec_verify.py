@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 class _PathHistory:
     """Row r = (sequence b, slot s): b's prompt, or b's output followed by the tokens on the path to slot s."""
 
-    def __init__(self, seqs: list[Sequence], rows: "TreeRows", parents: np.ndarray, prompt: bool):
-        self.seqs, self.rows, self.parents, self.prompt = seqs, rows, parents, prompt
+    def __init__(self, seqs: list[Sequence], rows: "TreeRows", prompt: bool):
+        self.seqs, self.rows, self.parents, self.prompt = seqs, rows, rows.parents, prompt
         self.width = len(rows[0].offsets)
 
     def __len__(self) -> int:
@@ -57,8 +57,8 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
     seeds = [s.seed for s in seqs for _ in range(width)]
     offsets = np.asarray([row.offsets for row in rows], dtype=np.int64)
     positions = (np.asarray([s.num_tokens for s in seqs], dtype=np.int64)[:, None] + offsets).ravel().tolist()
-    sb = SamplingBatch.build(params, seeds, positions, _PathHistory(seqs, rows, rows.parents, False),
-                             _PathHistory(seqs, rows, rows.parents, True), engine.eos_token_ids,
+    sb = SamplingBatch.build(params, seeds, positions, _PathHistory(seqs, rows, False),
+                             _PathHistory(seqs, rows, True), engine.eos_token_ids,
                              engine.model_config.vocab_size, logits.device)
     out = engine.sampler(logits, sb)
     acc = walk(tree, out.token_ids.view(len(seqs), width).to(tree.tokens.device))

@@ -17,18 +17,13 @@ from torch import Tensor
 from replicas.config import EngineConfig, ModelConfig
 from replicas.sequence import Sequence
 from replicas.step_input import TreeRow
-from speculative.baselines import make_builder
-from speculative.context_cache import PagedDraftContext, upload
-from speculative.cost_model import KNEE_TOKENS, KneeBudgetPolicy
+from speculative.baselines import METHODS, make_builder
+from replicas.transfer import to_device
+from speculative.context_cache import PagedDraftContext
+from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.tree import DraftTree, gate_table, prepare_round
 from speculative.tree_gpu import GraphTreeBuilder
-
-
-def default_budget_policy(budget: int, knee_tokens: int = KNEE_TOKENS) -> KneeBudgetPolicy:
-    """Until a VerifyProfile is measured on the serving GPU: speculate only while the verify forward stays
-    below the memory-bound knee (speculative/cost_model.py, KneeBudgetPolicy)."""
-    return KneeBudgetPolicy(budget, knee_tokens)
 
 
 class Speculator:
@@ -43,7 +38,9 @@ class Speculator:
         ids = self.cfg.target_layer_ids
         self.aux_layers = tuple(sorted(set(ids)))
         self._aux_order = [self.aux_layers.index(i) for i in ids]
-        self.policy = default_budget_policy(budget) if budget > 0 else None
+        # Until a VerifyProfile is measured on the serving GPU: speculate only while the verify forward stays
+        # below the memory-bound knee (speculative/cost_model.py).
+        self.policy = KneeBudgetPolicy(budget) if budget > 0 else None
         self._builders: dict[int, object] = {}
         self._graph_builders: dict[int, GraphTreeBuilder] = {}
         self._tree_pool = None
@@ -55,8 +52,8 @@ class Speculator:
 
     @staticmethod
     def create(config: EngineConfig, model_config: ModelConfig, runner) -> "Speculator":
-        if config.speculative not in ("dominotree", "chain", "ddtree"):
-            raise ValueError(f"speculative={config.speculative!r}: choose dominotree, chain or ddtree")
+        if config.speculative not in METHODS:
+            raise ValueError(f"speculative={config.speculative!r}: choose one of {sorted(METHODS)}")
         if runner.world_size > 1:
             raise ValueError("speculative decoding needs tensor_parallel_size=1 (the drafter reads the full "
                              "embedding and LM head on rank 0)")
@@ -135,7 +132,7 @@ class Speculator:
         p = self._pending
         if p.aux is None:
             return
-        packed = upload(np.asarray([p.rows, p.positions, p.slots], dtype=np.int64), self.contexts.device)
+        packed = to_device(np.asarray([p.rows, p.positions, p.slots], dtype=np.int64), self.contexts.device)
         hidden = self.target_hidden(p.aux, packed[0]).to(self.embed_weight.dtype)
         self.contexts.write(packed[2], self.drafter.backbone.context(hidden[None], packed[1][None]))
         self._pending = _PendingRows()
@@ -148,7 +145,7 @@ class Speculator:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], n: int) -> tuple[DraftTree, list[TreeRow]]:
         """One draft tree of n nodes per sequence, rooted at its last (uncomputed) token."""
-        roots, root_pos = upload(np.asarray([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs]],
+        roots, root_pos = to_device(np.asarray([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs]],
                                             dtype=np.int64), self.embed_weight.device)
         self.flush()
         block = self.drafter.draft(roots, root_pos, self.contexts.gather([s.seq_id for s in seqs]),

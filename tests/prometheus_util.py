@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from cluster.local_server import free_port  # noqa: F401  (re-exported for the tests)
+from replicas.distributed.launch import free_port  # noqa: F401  (re-exported for the tests)
 
 
 def prometheus_binary() -> Optional[str]:

@@ -102,3 +102,16 @@ def test_reclaim_evicts_cached_free_reserve_blocks():
     bm.reclaim_reserve()
     assert not any(bm.is_reserve(b) for b in bm.hash_to_block.values())
     assert bm.match_prefix(seq([1, 2, 3, 4, 5], "b")) <= 2
+
+
+def test_unmatch_prefix_gives_back_the_hits_and_uncounts_the_lookup():
+    bm = BlockManager(16, 0, 4)
+    a = seq(range(12))
+    run_prefill(bm, a)
+    counts = (bm.queries, bm.hits)
+    b = seq(range(12), "b")
+    assert bm.match_prefix(b) == 8                # the waiting head is looked up ...
+    bm.unmatch_prefix(b)                          # ... but does not fit this step
+    assert (bm.queries, bm.hits) == counts
+    assert not b.block_table and b.num_computed_tokens == 0
+    assert all(bm.blocks[i].ref_count == 1 for i in a.block_table)

@@ -23,6 +23,10 @@ class EagerReplayGraphs(DecodeGraphs):
     plans from host copies of the buffers; a CUDA graph needs none)."""
     replays = 0
 
+    def __init__(self, backend, *args):
+        super().__init__(*args)
+        self.backend = backend
+
     def _eager(self, b, aux_layers):
         ctx = self._context(b)
         ctx.query_lens_host, ctx.seq_lens_host, ctx.backend_state = [1] * b, self.seq_lens[:b].tolist(), {}
@@ -44,7 +48,7 @@ class EagerReplayGraphs(DecodeGraphs):
 
 def install_graphs(llm):
     runner = llm.engine.runner
-    runner.graphs = EagerReplayGraphs(runner.model, runner.backend, runner.device, llm.engine.config.max_num_seqs,
+    runner.graphs = EagerReplayGraphs(runner.backend, runner.model, runner.device, llm.engine.config.max_num_seqs,
                                       -(-runner.max_model_len // runner.block_size), runner.max_model_len)
     runner.graphs.capture()
     runner.capture_aux_graphs(llm.engine.speculator.aux_layers)

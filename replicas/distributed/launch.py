@@ -6,6 +6,7 @@ that starts Ray actors in the replica's placement group (cluster/rank_actor.py).
 from __future__ import annotations
 
 import multiprocessing as mp
+import socket
 from typing import Protocol
 
 from replicas.config import EngineConfig
@@ -14,6 +15,13 @@ from replicas.config import EngineConfig
 class WorkerLauncher(Protocol):
     def launch(self, config: EngineConfig, rank: int, world_size: int, init_method: str) -> None: ...
     def shutdown(self) -> None: ...
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (TP rendezvous, local servers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: str,
