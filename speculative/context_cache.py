@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from replicas.transfer import to_device
 from speculative.drafter import DraftContext
 
 
@@ -100,7 +101,7 @@ class PagedDraftContext:
         for b, s in enumerate(seq_ids):
             pages = self.pages.get(s, [])[:width]
             table[b, 1:1 + len(pages)] = pages
-        packed = upload(table, self.device)
+        packed = to_device(table, self.device)
         g = self.pool[:, :, packed[:, 1:]].flatten(3, 4)[:, :, :, :t]    # [L, 2, B, T, kv_heads, head_dim]
         valid = torch.arange(t, device=self.device)[None] < packed[:, :1]
         return DraftContext(list(g[:, 0].unbind(0)), list(g[:, 1].unbind(0)), valid)
@@ -109,9 +110,3 @@ class PagedDraftContext:
         self.free.extend(reversed(self.pages.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)
         self.runs.pop(seq_id, None)
-
-
-def upload(host: np.ndarray, device: torch.device) -> Tensor:
-    """A host array on `device` without a stream sync (pinned, asynchronous) when the device is a GPU."""
-    t = torch.from_numpy(np.ascontiguousarray(host))
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
