@@ -128,15 +128,51 @@ def time_one_range(nbytes: int, reps: int = 30) -> dict:
     return {"reserve_bytes": nbytes, "commit_ms": ms_stats(commit), "decommit_ms": ms_stats(decommit)}
 
 
+def time_remap(nbytes: int, reps: int = 30) -> dict:
+    """Map + set access / unmap of ONE handle created once and kept: the driver cost without creating or
+    releasing physical memory. Set against time_one_range it splits commit into page-table work and what the
+    driver does to fresh physical memory (creation, scrubbing)."""
+    from memory.vmm import _check, _device_prop, cu
+    index = torch.cuda.current_device()
+    gran = allocation_granularity(index)
+    nbytes = nbytes // gran * gran
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = index
+    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    torch.cuda.synchronize()
+    va = int(_check(cu.cuMemAddressReserve(nbytes, gran, 0, 0), "cuMemAddressReserve"))
+    h = _check(cu.cuMemCreate(nbytes, _device_prop(index), 0), "cuMemCreate")
+    commit, decommit = [], []
+    try:
+        for i in range(reps + 3):
+            t0 = time.perf_counter()
+            _check(cu.cuMemMap(va, nbytes, 0, h, 0), "cuMemMap")
+            _check(cu.cuMemSetAccess(va, nbytes, [desc], 1), "cuMemSetAccess")
+            t1 = time.perf_counter()
+            _check(cu.cuMemUnmap(va, nbytes), "cuMemUnmap")
+            t2 = time.perf_counter()
+            if i >= 3:
+                commit.append(t1 - t0)
+                decommit.append(t2 - t1)
+    finally:
+        cu.cuMemRelease(h)
+        cu.cuMemAddressFree(va, nbytes)
+    return {"reserve_bytes": nbytes, "map_ms": ms_stats(commit), "unmap_ms": ms_stats(decommit)}
+
+
 def section_vmm(args, out: dict) -> None:
     card = 16 << 30
     rows = [time_pool(36, card // 36, r, max_layers_per_range=1) for r in (True, False)]
+    rows.append(time_pool(36, card // 36, True, max_layers_per_range=LAYERS_PER_RANGE))   # the card's size, ranges
+    out["vmm_card_one_range"] = time_one_range(card)
+    out["vmm_card_remap_kept_handle"] = time_remap(card)
     reserve = out.get("reserve_bytes_tp1")
     layers = SHAPES[args.model]["num_hidden_layers"]
     if reserve:
         rows += [time_pool(layers, reserve // layers, True, max_layers_per_range=g) for g in (LAYERS_PER_RANGE, 1, 2, 8)]
         out["vmm_one_range"] = time_one_range(reserve)
-    best = rows[2] if reserve else rows[0]             # the engine's layout (kv_layout.LAYERS_PER_RANGE)
+    best = rows[3] if reserve else rows[2]             # the engine's layout (kv_layout.LAYERS_PER_RANGE)
     out.update(vmm=rows, decommit_ms=best["decommit_ms"]["median"], recommit_ms=best["commit_ms"]["median"],
                vmm_note=("decommit_ms/recommit_ms: the model's measured reserve" if reserve else
                          "decommit_ms/recommit_ms: 16 GiB over 36 layers (run 'sizing' first for the model's)"),
