@@ -74,6 +74,7 @@ class ModelRunner:
         self.kv = None                       # memory.rank_kv.RankKV when elastic KV is on
         self.num_kv_blocks = 0
         self.graphs = None
+        self.gemm_table = None               # decode GEMM choice per (N, K) and bucket (replicas/layers/gemm_select.py)
         self.graph_aux_layers: tuple[int, ...] = ()     # the drafter's target layers, once a speculator asks
         self.last_aux_hidden: list[torch.Tensor] = []
         self.backend = self._make_backend()
@@ -171,8 +172,12 @@ class ModelRunner:
         """Once, after the KV tensors exist (their addresses never change afterwards)."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             return
-        from replicas.cuda_graphs import DecodeGraphs
+        from replicas.cuda_graphs import DecodeGraphs, graph_batch_sizes
+        from replicas.layers.gemm_select import tune_linear_layers
 
+        if self.gemm_table is None:          # once, before the first capture: the graphs bake the choice in
+            self.gemm_table = tune_linear_layers(self.model, graph_batch_sizes(self.config.max_num_seqs),
+                                                 self.device) or {}
         self.graphs = DecodeGraphs(self.model, self.device, self.config.max_num_seqs,
                                    -(-self.max_model_len // self.block_size), self.max_model_len)
         self.graphs.capture()

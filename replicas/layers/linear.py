@@ -3,6 +3,10 @@
 Column parallel splits the output dimension across ranks (no communication); row parallel splits
 the input dimension and all-reduces the partial outputs. Fused qkv and gate_up take their parts
 by shard id so HF checkpoints load without a rewrite.
+
+Every layer's matmul goes through `_matmul`: `skinny` maps a decode batch size M to the Triton skinny GEMM
+config that beat cuBLAS for this weight shape (filled at start-up by replicas/layers/gemm_select.py); any
+other M (prefill, non-bucket batches, no table) goes to F.linear.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.distributed.parallel_state import get_tp_group, tp_size
+from replicas.layers.skinny_gemm import SkinnyConfig, skinny_gemm
 
 
 def _divide(a: int, b: int) -> int:
@@ -30,12 +35,19 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.skinny: dict[int, SkinnyConfig] = {}
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.skinny.get(x.shape[0]) if x.dim() == 2 else None
+        if cfg is None:
+            return F.linear(x, self.weight, bias)
+        return skinny_gemm(x, self.weight, bias, cfg)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -96,7 +108,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = self._matmul(x, None)
         if self.tp.world_size > 1:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,215 @@
+"""Per-shape choice between cuBLAS (F.linear) and the Triton skinny GEMM for the decode batch buckets.
+
+At engine start on CUDA, for each distinct weight shape (N, K) of the model's linear layers and each decode batch
+bucket M <= MAX_SKINNY_M that the CUDA graphs capture, cuBLAS and a handful of skinny configs are timed the way
+they will run: inside a CUDA graph (no launch gaps), rotating over enough weight copies that every call streams
+its weights from HBM (the copies together exceed the L2 several times), median of replays. The fastest wins;
+Triton must beat cuBLAS by `min_gain`. A linear layer then holds its shape's table {M: SkinnyConfig} and
+dispatches with one dict lookup; an M without an entry (prefill, non-bucket eager batches, cuBLAS winners)
+goes to F.linear. TP shards are handled naturally: the shapes are the shard's. `TIDAL_SKINNY_GEMM=0` turns the
+selection (and so the skinny path) off.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replicas.layers.skinny_gemm import SkinnyConfig, skinny_gemm
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "TIDAL_SKINNY_GEMM"
+MAX_SKINNY_M = 256                 # above this a decode GEMM is compute-bound enough for cuBLAS
+SMEM_BUDGET = 192 * 1024           # bytes of shared memory one program's pipeline stages may take
+MAX_ACC_ELEMS = 128 * 128          # fp32 accumulator elements per program (registers)
+
+# (M, N, K, config or None for cuBLAS) -> seconds per call
+TimeFn = Callable[[int, int, int, Optional[SkinnyConfig]], float]
+GemmTable = dict[tuple[int, int], dict[int, SkinnyConfig]]      # (N, K) -> {M: config}, only where Triton won
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    m: int
+    n: int
+    k: int
+    cublas_s: float
+    best: Optional[SkinnyConfig]           # fastest skinny config (None when none ran)
+    best_s: float
+    use_skinny: bool
+
+
+def skinny_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _block_ms(m: int) -> list[int]:
+    if m <= 16:
+        return [16]
+    if m <= 64:
+        return [64]
+    if m <= 128:
+        return [128]
+    return [256, 128]
+
+
+def fill_split(tiles: int, k: int, block_k: int, num_sms: int, max_split: int = 16) -> int:
+    """Smallest power-of-two split of K giving >= 2 programs per SM, keeping >= 2 K tiles per split."""
+    split = 1
+    while tiles * split < 2 * num_sms and split < max_split and math.ceil(k / (2 * split)) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
+    """A handful of skinny configs worth timing for one (M, N, K): M tile holding the batch, N tiles of
+    32-128 columns, each with split_k = 1 and with the split that fills the GPU."""
+    out: list[SkinnyConfig] = []
+    for bm in _block_ms(m):
+        warps = 4 if bm <= 64 else 8
+        bk = 128 if bm <= 64 else 64
+        for bn in (32, 64, 128):
+            if bm * bn > MAX_ACC_ELEMS:
+                continue
+            stages = max(2, min(5, SMEM_BUDGET // ((bm + bn) * bk * 2)))
+            tiles = -(-m // bm) * -(-n // bn)
+            for split in sorted({1, fill_split(tiles, k, bk, num_sms)}):
+                out.append(SkinnyConfig(bm, bn, bk, split, warps, stages))
+    return out
+
+
+def select_gemms(shapes: Iterable[tuple[int, int]], batch_sizes: Iterable[int], time_fn: TimeFn, num_sms: int,
+                 candidates: Callable[[int, int, int, int], list[SkinnyConfig]] = candidate_configs,
+                 min_gain: float = 0.01) -> tuple[GemmTable, list[GemmChoice]]:
+    """Times cuBLAS and the candidates for every (N, K) x bucket M <= MAX_SKINNY_M; a candidate that fails
+    (compile error, out of resources) is skipped. Returns the table and every decision made."""
+    table: GemmTable = {}
+    choices: list[GemmChoice] = []
+    ms = sorted({m for m in batch_sizes if 0 < m <= MAX_SKINNY_M})
+    for n, k in sorted(set(shapes)):
+        per_m: dict[int, SkinnyConfig] = {}
+        for m in ms:
+            cublas = time_fn(m, n, k, None)
+            best, best_s = None, math.inf
+            for cfg in candidates(m, n, k, num_sms):
+                try:
+                    t = time_fn(m, n, k, cfg)
+                except Exception as e:       # one bad config must not stop the engine
+                    log.debug("skinny gemm %s for M=%d N=%d K=%d failed: %s", cfg, m, n, k, e)
+                    continue
+                if t < best_s:
+                    best, best_s = cfg, t
+            use = best is not None and best_s < cublas * (1.0 - min_gain)
+            if use:
+                per_m[m] = best
+            choices.append(GemmChoice(m, n, k, cublas, best, best_s, use))
+        table[(n, k)] = per_m
+    return table, choices
+
+
+class GraphTimer:
+    """time_fn for select_gemms on CUDA: seconds per call, timed over CUDA-graph replays of calls rotating over
+    weight copies that together exceed the L2 `l2_factor` times."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, calls_per_graph: int = 8, reps: int = 5,
+                 l2_factor: float = 3.0, max_copy_bytes: int = 1 << 30):
+        self.device, self.dtype = device, dtype
+        self.calls_per_graph, self.reps = calls_per_graph, reps
+        self.l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+        self.l2_factor, self.max_copy_bytes = l2_factor, max_copy_bytes
+        self._weights: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def weights(self, n: int, k: int) -> list[torch.Tensor]:
+        if (n, k) not in self._weights:
+            nbytes = n * k * torch.finfo(self.dtype).bits // 8
+            copies = max(1, min(math.ceil(self.l2_factor * self.l2_bytes / nbytes), self.max_copy_bytes // nbytes))
+            self._weights = {(n, k): [torch.randn(n, k, device=self.device, dtype=self.dtype) * 0.02
+                                      for _ in range(copies)]}          # one shape's copies alive at a time
+        return self._weights[(n, k)]
+
+    def __call__(self, m: int, n: int, k: int, cfg: Optional[SkinnyConfig]) -> float:
+        if (m, k) not in self._inputs:
+            self._inputs[(m, k)] = torch.randn(m, k, device=self.device, dtype=self.dtype)
+        x, weights = self._inputs[(m, k)], self.weights(n, k)
+        call = (lambda w: F.linear(x, w)) if cfg is None else (lambda w: skinny_gemm(x, w, None, cfg))
+        call(weights[0])                         # compiles; raises here, outside the capture, if the config is bad
+        calls = [weights[i % len(weights)] for i in range(max(self.calls_per_graph, len(weights)))]
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in calls:
+                call(w)
+        graph.replay()
+        times = []
+        for _ in range(self.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / len(calls))
+        return statistics.median(times)
+
+    def release(self) -> None:
+        self._weights.clear()
+        self._inputs.clear()
+
+
+def skinny_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's linear layers that can dispatch to the skinny GEMM (they hold a `skinny` table)."""
+    return [mod for mod in model.modules() if hasattr(mod, "skinny") and getattr(mod, "weight", None) is not None]
+
+
+def apply_table(model: nn.Module, table: GemmTable) -> None:
+    for layer in skinny_layers(model):
+        layer.skinny = table.get(tuple(layer.weight.shape), {})
+
+
+def format_choices(choices: list[GemmChoice]) -> str:
+    lines = [f"{'N':>7}{'K':>7}{'M':>5}{'cuBLAS us':>11}{'skinny us':>11}  pick"]
+    for c in choices:
+        pick = f"skinny {c.best}" if c.use_skinny else "cuBLAS"
+        lines.append(f"{c.n:>7}{c.k:>7}{c.m:>5}{c.cublas_s * 1e6:>11.2f}{c.best_s * 1e6:>11.2f}  {pick}")
+    return "\n".join(lines)
+
+
+@torch.inference_mode()
+def tune_linear_layers(model: nn.Module, batch_sizes: Iterable[int], device: torch.device,
+                       time_fn: Optional[TimeFn] = None) -> Optional[GemmTable]:
+    """Selects and installs the per-bucket GEMM of every linear layer; None (layers untouched) when off."""
+    if not skinny_enabled(device):
+        return None
+    layers = skinny_layers(model)
+    if not layers:
+        return None
+    dtype = layers[0].weight.dtype
+    shapes = {tuple(layer.weight.shape) for layer in layers
+              if layer.weight.dtype == dtype and layer.weight.numel() < 2 ** 31}
+    timer = None
+    if time_fn is None:
+        timer = time_fn = GraphTimer(device, dtype)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    start = time.perf_counter()
+    try:
+        table, choices = select_gemms(shapes, batch_sizes, time_fn, num_sms)
+    except torch.cuda.OutOfMemoryError:
+        log.warning("skinny GEMM selection ran out of memory; every linear layer stays on cuBLAS")
+        return None
+    finally:
+        if timer is not None:
+            timer.release()
+            torch.cuda.empty_cache()
+    apply_table(model, table)
+    log.info("GEMM selection (%d shapes, %.1f s):\n%s", len(shapes), time.perf_counter() - start,
+             format_choices(choices))
+    return table

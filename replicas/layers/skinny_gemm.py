@@ -1,0 +1,133 @@
+"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with M small (a decode batch, <= 256).
+
+The weights dominate the bytes, so the grid runs over N tiles (x K splits) and each program keeps every row of
+its M tile in registers: each weight tile is read from HBM once. When M spans several M tiles, the M tile is the
+fastest-varying program index, so the programs sharing a weight tile run side by side and share it through L2.
+Split-K writes fp32 partials [split_k, M, N] to a workspace that one reduce kernel sums in split order
+(deterministic); with split_k == 1 the GEMM kernel writes y directly. Accumulation is always fp32.
+
+CUDA-graph safe: the grid depends only on shapes, and the workspace is a plain `torch.empty` inside the call
+(a captured call takes it from the graph's pool).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __str__(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}"
+                f"w{self.num_warps}st{self.num_stages}")
+
+
+def split_k_range(k: int, cfg: SkinnyConfig) -> int:
+    """Keys per split: a multiple of block_k, so only the last chunk of K can be partial."""
+    return triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows / columns wrap onto valid ones: the loads need no M / N mask, the stores drop them.
+    rows_in = rows % M
+    cols_in = cols % N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    x_ptrs = x_ptr + rows_in[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + cols_in[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = (k + offs_k) < k_hi
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    out_mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if SPLIT:
+        ws = ws_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(ws, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols_in).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    size = M * N
+    mask = offs < size
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):           # fixed order: the sum is the same on every run
+        acc += tl.load(ws_ptr + s * size + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: SkinnyConfig = SkinnyConfig()
+                ) -> Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32."""
+    *lead, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x.dtype == weight.dtype
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.view(*lead, n)
+    if k == 0:
+        y.zero_()
+        return (y if bias is None else y + bias).view(*lead, n)
+    k_per_split = split_k_range(k, cfg)
+    split = cfg.split_k > 1
+    ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device) if split else y
+    b = bias if bias is not None else y
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _skinny_gemm_kernel[grid](
+        x2, weight, b, y, ws, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            ws, b, y, m, n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y.view(*lead, n)
