@@ -2,7 +2,9 @@
 
 Program (b, kv_head, split) reads the K/V tiles of one KV head once for all `group_size` query heads (padded
 to >= 16 rows for tl.dot) over one partition of the context, and writes the partial max / sum / accumulator;
-a reduce kernel merges the partitions. With one split the partial kernel writes the output directly.
+a reduce kernel merges the partitions. With one split the partial kernel writes the output directly; a grid
+that already fills the GPU (B x Hkv programs, several per SM) runs unsplit, since splitting it only adds the
+fp32 partials and the reduce kernel. DecodeTuning holds every knob bench/decode_tune.py sweeps.
 The grid depends only on (B, H, max_seq_len), never on seq_lens' values: safe to capture in a CUDA graph.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import Tensor
 from replicas.attention.spec import AttentionSpec
 
 LOG2E = 1.4426950408889634
+SPLIT_POLICIES = ("auto", "fill", "never")
 
 
 @dataclass(frozen=True)
@@ -27,9 +30,18 @@ class DecodeTuning:
     block_n: int = 64                # keys per tile (may span several pages)
     num_warps: int = 4
     num_stages: int = 2
+    # "auto": a grid of B * Hkv programs that already has full_programs_per_sm per SM runs unsplit (no partials,
+    # no reduce kernel); a smaller one is split like "fill". "fill": always split up to programs_per_sm per SM.
+    # "never": one program per (sequence, KV head).
+    split_policy: str = "auto"
+    full_programs_per_sm: float = 2.0
     programs_per_sm: int = 4         # split the context until B * Hkv * splits reaches this many programs per SM
     min_split_tokens: int = 256      # ... but never below this many keys per split
     max_splits: int = 64
+
+    def __post_init__(self):
+        if self.split_policy not in SPLIT_POLICIES:
+            raise ValueError(f"split_policy must be one of {SPLIT_POLICIES}, not {self.split_policy!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,6 +58,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
                       tuning: DecodeTuning = DecodeTuning()) -> int:
     """How many partitions of the context each (sequence, KV head) is cut into so the grid fills the GPU."""
     programs = max(1, num_seqs * num_kv_heads)
+    if tuning.split_policy == "never" or (
+            tuning.split_policy == "auto" and programs >= tuning.full_programs_per_sm * num_sms):
+        return 1
     want = math.ceil(tuning.programs_per_sm * num_sms / programs)
     by_length = max(1, math.ceil(max_seq_len / tuning.min_split_tokens))
     return max(1, min(want, by_length, tuning.max_splits))
