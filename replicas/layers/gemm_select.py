@@ -116,6 +116,27 @@ def select_gemms(shapes: Iterable[tuple[int, int]], batch_sizes: Iterable[int], 
     return table, choices
 
 
+def time_in_graph(calls: list[Callable[[], object]], reps: int = 5) -> float:
+    """Median seconds per call of `calls` run back to back as one CUDA graph (no launch gaps). The first call
+    also runs eagerly before the capture: it compiles, and a bad config raises there, outside the capture."""
+    calls[0]()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
+    return statistics.median(times)
+
+
 class GraphTimer:
     """time_fn for select_gemms on CUDA: seconds per call, timed over CUDA-graph replays of calls rotating over
     weight copies that together exceed the L2 `l2_factor` times."""
@@ -142,23 +163,8 @@ class GraphTimer:
             self._inputs[(m, k)] = torch.randn(m, k, device=self.device, dtype=self.dtype)
         x, weights = self._inputs[(m, k)], self.weights(n, k)
         call = (lambda w: F.linear(x, w)) if cfg is None else (lambda w: skinny_gemm(x, w, None, cfg))
-        call(weights[0])                         # compiles; raises here, outside the capture, if the config is bad
         calls = [weights[i % len(weights)] for i in range(max(self.calls_per_graph, len(weights)))]
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for w in calls:
-                call(w)
-        graph.replay()
-        times = []
-        for _ in range(self.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3 / len(calls))
-        return statistics.median(times)
+        return time_in_graph([lambda w=w: call(w) for w in calls], self.reps)
 
     def release(self) -> None:
         self._weights.clear()
