@@ -31,6 +31,7 @@ ENV_SWITCH = "TIDAL_SKINNY_GEMM"
 MAX_SKINNY_M = 256                 # above this a decode GEMM is compute-bound enough for cuBLAS
 SMEM_BUDGET = 192 * 1024           # bytes of shared memory one program's pipeline stages may take
 MAX_ACC_ELEMS = 128 * 128          # fp32 accumulator elements per program (registers)
+MIN_WEIGHT_BYTES = 4 << 20         # smaller weights are launch-latency-bound: left to cuBLAS, no compile, no timing
 
 # (M, N, K, config or None for cuBLAS) -> seconds per call
 TimeFn = Callable[[int, int, int, Optional[SkinnyConfig]], float]
@@ -199,8 +200,11 @@ def tune_linear_layers(model: nn.Module, batch_sizes: Iterable[int], device: tor
     if not layers:
         return None
     dtype = layers[0].weight.dtype
-    shapes = {tuple(layer.weight.shape) for layer in layers
-              if layer.weight.dtype == dtype and layer.weight.numel() < 2 ** 31}
+    shapes = {tuple(layer.weight.shape) for layer in layers if layer.weight.dtype == dtype
+              and MIN_WEIGHT_BYTES <= layer.weight.numel() * layer.weight.element_size()
+              and layer.weight.numel() < 2 ** 31}
+    if not shapes:
+        return None
     timer = None
     if time_fn is None:
         timer = time_fn = GraphTimer(device, dtype)

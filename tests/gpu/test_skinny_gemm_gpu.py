@@ -64,3 +64,36 @@ def test_selection_with_the_graph_timer_on_small_shapes():
         assert 0 < c.cublas_s < 1e-2 and (c.best is None or 0 < c.best_s < 1e-2)
         assert (c.m in table[(c.n, c.k)]) == c.use_skinny
     timer.release()
+
+
+def test_tuned_mlp_in_a_cuda_graph_matches_cublas():
+    from replicas.config import ModelConfig
+    from replicas.distributed.communicator import SingleCommunicator
+    from replicas.distributed.parallel_state import set_tp_group
+    from replicas.layers.gemm_select import apply_table, tune_linear_layers
+    from replicas.models.llama import LlamaMLP
+
+    set_tp_group(SingleCommunicator())
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=1024, intermediate_size=4096,
+                      num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        mlp = LlamaMLP(cfg).bfloat16()
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.02)
+    table = tune_linear_layers(mlp, [16, 64, 300], torch.device("cuda"))
+    assert table is not None and set(table) == {(8192, 1024), (1024, 4096)}
+    assert all(set(per_m) <= {16, 64} for per_m in table.values())
+    forced = {shape: {64: SkinnyConfig(64, 64, 128, 4, 4, 4)} for shape in table}
+    apply_table(mlp, forced)
+    x = torch.randn(64, 1024, device="cuda").bfloat16()
+    with torch.inference_mode():
+        mlp(x)                                  # compiles every kernel outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = mlp(x)
+        graph.replay()
+        apply_table(mlp, {})
+        torch.testing.assert_close(y.float(), mlp(x).float(), atol=2e-3, rtol=3e-2)
