@@ -174,3 +174,19 @@ def test_decode_split_policy():
     assert decode_num_splits(32, 8, 4096, sms, DecodeTuning(full_programs_per_sm=2.0)) == 3
     with pytest.raises(ValueError):
         DecodeTuning(split_policy="sometimes")
+
+
+def test_tune_linear_layers_survives_a_failing_timer(monkeypatch):
+    layer = tiny_llama_layer()
+    monkeypatch.setattr(gemm_select, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(gemm_select.torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"multi_processor_count": 132})())
+
+    def broken(m, n, k, cfg):
+        raise RuntimeError("CUDA error")
+    assert tune_linear_layers(layer, [16], torch.device("cuda", 0), broken) is None
+    table = tune_linear_layers(layer, [16, 32], torch.device("cuda", 0),
+                               lambda m, n, k, cfg: 2.0 if cfg is None else 0.5 + cfg.split_k)
+    assert set(table) == {tuple(m.weight.shape) for m in gemm_select.skinny_layers(layer)}
+    for mod in gemm_select.skinny_layers(layer):
+        assert set(mod.skinny) == {16, 32} and all(c.split_k == 1 for c in mod.skinny.values())
