@@ -55,14 +55,15 @@ class Deadline:
 
 
 def wide_grid(m: int) -> list[SkinnyConfig]:
-    """Skinny configs beyond the selector's candidates: more N tiles and splits (one stage count)."""
+    """Skinny configs beyond the selector's candidates: more N tiles and splits, and pipelines sized for two
+    programs per SM (the selector's rule) or for one."""
     out = []
     for bm in gemm_select._block_ms(m):
         warps, bk = (4, 128) if bm <= 64 else (8, 64)
-        for bn, split in itertools.product((16, 32, 64, 128, 256), (1, 2, 4, 8)):
-            stages = max(2, min(4, gemm_select.SMEM_BUDGET // ((bm + bn) * bk * 2)))
-            if bm * bn <= gemm_select.MAX_ACC_ELEMS:
-                out.append(SkinnyConfig(bm, bn, bk, split, warps, stages))
+        for bn, split, smem in itertools.product((16, 32, 64, 128, 256), (1, 2, 4, 8), (100 << 10, 200 << 10)):
+            cfg = SkinnyConfig(bm, bn, bk, split, warps, gemm_select.pipeline_stages(bm, bn, bk, smem))
+            if bm * bn <= gemm_select.MAX_ACC_ELEMS and cfg not in out:
+                out.append(cfg)
     return out
 
 

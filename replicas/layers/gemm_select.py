@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "TIDAL_SKINNY_GEMM"
 MAX_SKINNY_M = 256                 # above this a decode GEMM is compute-bound enough for cuBLAS
-SMEM_BUDGET = 192 * 1024           # bytes of shared memory one program's pipeline stages may take
+SMEM_BUDGET = 100 * 1024           # shared memory of one program's pipeline stages: two programs fit on an SM
 MAX_ACC_ELEMS = 128 * 128          # fp32 accumulator elements per program (registers)
 MIN_WEIGHT_BYTES = 4 << 20         # smaller weights are launch-latency-bound: left to cuBLAS, no compile, no timing
 
@@ -71,6 +71,11 @@ def fill_split(tiles: int, k: int, block_k: int, num_sms: int, max_split: int = 
     return split
 
 
+def pipeline_stages(bm: int, bn: int, bk: int, smem_bytes: int) -> int:
+    """As many stages of x and W tiles as fit in `smem_bytes` (2 to 6)."""
+    return max(2, min(6, smem_bytes // ((bm + bn) * bk * 2)))
+
+
 def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
     """A handful of skinny configs worth timing for one (M, N, K): M tile holding the batch, N tiles of
     32-128 columns, each with split_k = 1 and with the split that fills the GPU."""
@@ -81,7 +86,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig
         for bn in (32, 64, 128):
             if bm * bn > MAX_ACC_ELEMS:
                 continue
-            stages = max(2, min(5, SMEM_BUDGET // ((bm + bn) * bk * 2)))
+            stages = pipeline_stages(bm, bn, bk, SMEM_BUDGET)
             tiles = -(-m // bm) * -(-n // bn)
             for split in sorted({1, fill_split(tiles, k, bk, num_sms)}):
                 out.append(SkinnyConfig(bm, bn, bk, split, warps, stages))
