@@ -8,7 +8,7 @@ exactly --max-tokens tokens (temperature 0, ignore_eos). Three disjoint prompt s
 so no measured prompt finds an earlier one in the prefix cache. Both paths take their SamplingParams from the
 same /v1/completions body (`CompletionRequest.sampling_params()`: detokenization included) and run the
 EngineConfig that `tidal serve` builds from the same flags (1 replica, TP 1, elastic off, default knobs).
-Direct: the in-process AsyncLLMEngine; TTFT = `generate()` entered -> first output carrying a token id;
+Direct: AsyncLLMEngine in this process (its engine core in a child process, as in a replica); TTFT = `generate()` entered -> first output carrying a token id;
 tokens = the token ids streamed. Serve: `tidal serve --replicas 1 --tp 1` in a subprocess with its own local
 Ray cluster; POST /v1/completions, stream=true, over one keep-alive aiohttp session in this process; TTFT =
 POST sent (body already encoded) -> first SSE chunk holding a choice (a token, even if its text is still
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args)
     engine = AsyncLLMEngine(direct_config(model, args))
     try:
-        vocab = min(engine.engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+        vocab = engine.info.vocab_size
         work = make_workload(args, vocab)
         direct = asyncio.run(measure_direct(engine, work))
         device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, " \

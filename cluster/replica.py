@@ -8,6 +8,7 @@ Serve pickles the class by value at decoration, so the helpers it calls are defi
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import uuid
@@ -20,7 +21,7 @@ from ray.serve.exceptions import RayServeException
 from cluster.metrics import ReplicaMetrics
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
-from replicas.async_engine import AsyncLLMEngine, RequestError
+from replicas.async_engine import AsyncLLMEngine, ChatPrompt, RequestError
 from replicas.config import EngineConfig
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParamsError
@@ -137,11 +138,7 @@ class LLMReplica:
     async def generate(self, job: GenerationJob) -> AsyncIterator[Union[StreamStart, StreamFailure, list[ChoiceDelta]]]:
         """Stream one job. Cancelling this call (client gone) closes the engine stream, which aborts it."""
         param = "messages" if job.messages is not None else "prompt"
-        try:
-            stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id)
-        except ValueError as e:  # the chat template refused the messages
-            yield _failure(e, param)
-            return
+        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id)
         started = False
         reported: set[int] = set()
         try:
@@ -157,7 +154,7 @@ class LLMReplica:
         except Exception as e:
             if started:
                 raise
-            if isinstance(e, ValueError):  # RequestError: empty or too long prompt, bad token ids
+            if isinstance(e, ValueError):  # RequestError (empty or too long prompt, bad ids) or a refused chat
                 yield _failure(e, param)
             elif not self.engine.is_alive():
                 yield StreamFailure(503, f"this replica's engine is down ({e}); retry", None, "engine_unavailable")
@@ -166,21 +163,20 @@ class LLMReplica:
         finally:
             await stream.aclose()
 
-    def _prompt(self, job: GenerationJob) -> Union[str, list[int]]:
-        if job.messages is not None:
-            return self.engine.tokenizer.encode_chat(job.messages, add_generation_prompt=True)
-        return job.prompt
+    @staticmethod
+    def _prompt(job: GenerationJob) -> Union[str, list[int], ChatPrompt]:
+        return ChatPrompt(job.messages) if job.messages is not None else job.prompt
 
     async def describe(self) -> dict:
         """Identity and current stats of this replica (the ingress's /v1/models and /stats read it)."""
-        engine = self.engine.engine
+        stats = await asyncio.to_thread(self.engine.stats)       # an engine call: answered between two steps
         return {"replica_id": self.replica_id, "model": self.engine.model_name,
-                "max_model_len": self.engine.max_model_len, "stats": asdict(self.engine.stats()),
-                "budget_limit": engine.config.max_num_batched_tokens,
-                "elastic_available": engine.elastic is not None}
+                "max_model_len": self.engine.max_model_len, "stats": asdict(stats),
+                "budget_limit": self.engine.config.max_num_batched_tokens,
+                "elastic_available": self.engine.info.elastic_available}
 
     async def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return await asyncio.to_thread(self.engine.stats)
 
     def reconfigure(self, knobs: dict) -> dict:
         """Runtime knobs without a restart: Serve calls it with `user_config`, the controller directly."""
@@ -210,11 +206,10 @@ class LLMReplica:
 
     def __del__(self):
         # Serve calls this after in-flight requests drained (graceful_shutdown_timeout_s).
-        metrics = getattr(self, "metrics", None)
+        # The engine shuts its TP ranks' launcher down too. Idempotent: tests call it before the GC does.
+        metrics, self.metrics = getattr(self, "metrics", None), None
         if metrics is not None:
             metrics.stop()
-        engine = getattr(self, "engine", None)
+        engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
-        if getattr(self, "launcher", None) is not None:
-            self.launcher.shutdown()

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from memory.block_manager import BlockManager
 from replicas.config import EngineConfig
-from replicas.distributed.launch import ProcessLauncher, WorkerLauncher, free_port
+from replicas.distributed.launch import LaunchedRanks, ProcessLauncher, WorkerLauncher, free_port
 from replicas.model_runner import ModelRunner
 from replicas.outputs import Logprob, RequestOutput
 from replicas.request import Request, RequestError
@@ -42,10 +42,13 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)))
 
         tp = config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{free_port()}" if tp > 1 else None
         self.launcher = worker_launcher or (ProcessLauncher() if tp > 1 else None)
-        for rank in range(1, tp):
-            self.launcher.launch(config, rank, tp, init_method)
+        if isinstance(self.launcher, LaunchedRanks):
+            init_method = self.launcher.init_method
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}" if tp > 1 else None
+            for rank in range(1, tp):
+                self.launcher.launch(config, rank, tp, init_method)
         self.runner = ModelRunner(config, 0, tp, init_method, checkpoint=checkpoint)
         self.max_model_len = self.runner.max_model_len
         self.runner.init_kv()

@@ -16,6 +16,9 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param, self.code = param, code
 
+    def __reduce__(self):                         # it crosses the engine core's pipe
+        return RequestError, (self.param, str(self), self.code)
+
 
 @dataclass
 class Request:

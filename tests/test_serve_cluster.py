@@ -22,6 +22,7 @@ from checkpoints import make_tiny_llama
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.replica import LLMReplica
 from replicas import LLM, EngineConfig, SamplingParams
+from replicas.loaders import load_checkpoint
 
 openai = pytest.importorskip("openai")
 
@@ -221,7 +222,8 @@ def test_replica_streams_start_then_deltas(replica):
     frames = run_job(replica, GenerationJob("unit-1", params, prompt="hello there"))
     start, rest = frames[0], frames[1:]
     assert isinstance(start, StreamStart) and start.replica_id == replica.replica_id
-    assert start.prompt_tokens == len(replica.engine.tokenizer.encode("hello there"))
+    tokenizer = load_checkpoint(replica.engine.config.model).tokenizer
+    assert start.prompt_tokens == len(tokenizer.encode("hello there"))
     deltas = [d for frame in rest for d in frame]
     assert all(isinstance(d, ChoiceDelta) for d in deltas)
     for index in (0, 1):

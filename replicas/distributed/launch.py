@@ -34,6 +34,20 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     runner.serve_forever()
 
 
+class LaunchedRanks:
+    """Ranks 1..N-1 that another process already started at `init_method` (the serving process starts them
+    for an engine core running in a process of its own); shutting them down stays that process's job."""
+
+    def __init__(self, init_method: str):
+        self.init_method = init_method
+
+    def launch(self, config, rank, world_size, init_method):
+        raise RuntimeError("these ranks were launched already")
+
+    def shutdown(self):
+        pass
+
+
 class ProcessLauncher:
     def __init__(self):
         self._ctx = mp.get_context("spawn")
