@@ -9,15 +9,22 @@ children come from a distribution over those M candidates: at depths below `unco
 the DDTree mode) the base logits' full-vocabulary log-softmax at the candidates (path-independent); deeper, the
 log-softmax over the M candidates of base + W2 SiLU(W1 [z_d; s]), s = the GRU state of the node's own path.
 
-Bit-identity between the reference heap and the batched frontier builder: every number a builder compares is
+Bit-identity between the reference heap and the batched frontier builders: every number a builder compares is
 produced by the functions below, row by row, from tensors computed once per round (`prepare_round`). Those
 functions avoid kernels whose per-row result can depend on the batch shape (GEMMs, reductions, CPU sigmoid):
 dot products are elementwise products summed in a fixed pairwise order, sigmoid is 1/(1+exp(-x)). So a node
 scores the same bits whether it is expanded alone (reference) or among B x lanes rows (frontier). Do not
 torch.compile them: fusion may contract a*b+c into an FMA and change the bits.
+
+Two implementations of that math: torch ops (CPU tensors) and Triton kernels (CUDA tensors; CPU tensors too
+inside `triton_on_cpu()`, under TRITON_INTERPRET=1), see speculative/tree_triton.py. Each function dispatches
+on its inputs' device, so on CUDA the reference heap, the torch frontier and the fused Triton frontier all take
+their numbers from the same Triton device code. The two implementations differ in the last bits (summation
+order, exp/log), so trees are compared within one implementation, never across.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -121,6 +128,28 @@ def gru_step(gate_in: Tensor, gate_hidden: Tensor, h: Tensor) -> Tensor:
 
 # ---- one round's scoring inputs ---------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class HeadTables:
+    """The Domino head's weights as the row math reads them: contiguous, [K, O] for a dot over k, the matrices in
+    the head's own dtype (read as float32: exact) and the gate table float32. They depend only on the weights;
+    a serving builder computes them once."""
+    gates: Tensor          # [V, 3G] W_ih embed(v): every token's GRU input gates
+    w_hh_t: Tensor         # [G, 3G] W_hh^T
+    w1_hidden_t: Tensor    # [H, R]  W1[:, :H]^T
+    w1_state_t: Tensor     # [G, R]  W1[:, H:]^T
+    w2: Tensor             # [V, R]
+
+    @staticmethod
+    @torch.no_grad()
+    def of(head, embed_weight: Tensor, gates: Optional[Tensor] = None) -> "HeadTables":
+        """head: speculative.drafter.DominoHead; gates: `gate_table(head, embed_weight)` if cached."""
+        t = lambda w: w.detach().t().contiguous()
+        w1, w_hh = head.w1.weight, head.gru.weight_hh_l0
+        h = w1.shape[1] - w_hh.shape[1]
+        return HeadTables((gate_table(head, embed_weight) if gates is None else gates).contiguous(), t(w_hh),
+                          t(w1[:, :h]), t(w1[:, h:]), head.w2.weight.detach().contiguous())
+
+
 @dataclass
 class TreeRound:
     """Everything a builder reads, computed once per round. D = depths, M = candidates, G = GRU, R = rank."""
@@ -128,15 +157,31 @@ class TreeRound:
     base_logp: Tensor                    # [B, D, M] float32 full-vocab log-softmax of the base logits
     base_cand: Optional[Tensor] = None   # [B, D, M] float32 base logits at the candidates
     zproj: Optional[Tensor] = None       # [B, D, R] W1[:, :H] z_d
-    w2_cand: Optional[Tensor] = None     # [B, D, M, R] W2 rows of the candidates
-    gate_in: Optional[Tensor] = None     # [B, D, M, 3G] W_ih embed(candidate)
     root_state: Optional[Tensor] = None  # [B, G] GRU state after reading the root token
-    w_hh: Optional[Tensor] = None        # [3G, G]
-    w1_state: Optional[Tensor] = None    # [R, G] W1[:, H:]
+    tables: Optional[HeadTables] = None
 
     @property
     def corrected(self) -> bool:
         return self.root_state is not None
+
+
+_triton_on_cpu = False
+
+
+@contextlib.contextmanager
+def triton_on_cpu():
+    """Run the Triton implementation on CPU tensors too (tests; needs TRITON_INTERPRET=1 before the kernels'
+    module is first imported, as tests/conftest.py arranges on machines without CUDA)."""
+    global _triton_on_cpu
+    before, _triton_on_cpu = _triton_on_cpu, True
+    try:
+        yield
+    finally:
+        _triton_on_cpu = before
+
+
+def on_triton(t: Tensor) -> bool:
+    return t.is_cuda or _triton_on_cpu
 
 
 def top_candidates(logits: Tensor, m: int) -> Tensor:
@@ -158,25 +203,34 @@ def gate_table(head, embed_weight: Tensor) -> Tensor:
 def prepare_round(head, hidden: Tensor, base_logits: Tensor, root_ids: Tensor, embed_weight: Tensor,
                   cfg: TreeConfig, gates: Optional[Tensor] = None) -> TreeRound:
     """head: speculative.drafter.DominoHead; hidden [B, S, H] and base_logits [B, S, V] from one draft block;
-    root_ids [B]; embed_weight [V, H] the target's; gates: `gate_table` if cached. float32 throughout. Each
-    request's TreeRound rows depend only on that request's inputs (padding a batch changes no bit)."""
+    root_ids [B]; embed_weight [V, H] the target's; gates: `gate_table` if cached."""
+    tables = HeadTables.of(head, embed_weight, gates) if cfg.corrected else None
+    return prepare_round_with(tables, hidden, base_logits, root_ids, cfg)
+
+
+@torch.no_grad()
+def prepare_round_with(tables: Optional[HeadTables], hidden: Tensor, base_logits: Tensor, root_ids: Tensor,
+                       cfg: TreeConfig) -> TreeRound:
+    """prepare_round from the head's tables (None: an uncorrected round). float32 throughout. Each request's
+    TreeRound rows depend only on that request's inputs (padding a batch changes no bit)."""
     d = min(cfg.max_depth, base_logits.shape[1])
+    m = min(cfg.candidates, base_logits.shape[-1])
+    if on_triton(base_logits):
+        from speculative import tree_triton
+        return tree_triton.prepare_round(tables, hidden, base_logits, root_ids, d, m)
     base = base_logits[:, :d].detach().float()
-    cand_ids = top_candidates(base, min(cfg.candidates, base.shape[-1]))
+    cand_ids = top_candidates(base, m)
     base_cand = base.gather(-1, cand_ids)
     top = base.amax(-1, keepdim=True)
     base_logp = base_cand - (top + torch.log(pairwise_sum(torch.exp(base - top)))[..., None])
-    if not cfg.corrected:
+    if tables is None:
         return TreeRound(cand_ids, base_logp)
-    gates = gate_table(head, embed_weight) if gates is None else gates
-    w_hh = head.gru.weight_hh_l0.detach().float()
-    w1 = head.w1.weight.detach().float()
     b, h = root_ids.shape[0], hidden.shape[-1]
-    root_in = gates[root_ids]
-    root_state = gru_step(root_in, torch.zeros_like(root_in), torch.zeros(b, w_hh.shape[1], device=gates.device))
-    zproj = rowdot(hidden[:, :d].detach().float().reshape(b * d, h), w1[:, :h]).view(b, d, -1)
-    return TreeRound(cand_ids, base_logp, base_cand, zproj, head.w2.weight.detach().float()[cand_ids],
-                     gates[cand_ids], root_state, w_hh, w1[:, h:].contiguous())
+    root_in = tables.gates[root_ids]
+    g = tables.w_hh_t.shape[0]
+    root_state = gru_step(root_in, torch.zeros_like(root_in), torch.zeros(b, g, device=root_in.device))
+    zproj = rowdot(hidden[:, :d].detach().float().reshape(b * d, h), tables.w1_hidden_t.t()).view(b, d, -1)
+    return TreeRound(cand_ids, base_logp, base_cand, zproj, root_state, tables)
 
 
 def child_logprobs(rnd: TreeRound, rows: Tensor, depth: int, states: Optional[Tensor], corrected: bool) -> Tensor:
@@ -184,22 +238,35 @@ def child_logprobs(rnd: TreeRound, rows: Tensor, depth: int, states: Optional[Te
     [N, G]; rows [N] says which request each node belongs to. -> [N, M] float32."""
     if not corrected:
         return rnd.base_logp[rows, depth]
-    u = rnd.zproj[rows, depth] + rowdot(states, rnd.w1_state)
-    logits = rnd.base_cand[rows, depth] + rowdot(u * sigmoid(u), rnd.w2_cand[rows, depth])
-    return log_softmax(logits)
+    if on_triton(states):
+        from speculative import tree_triton
+        return tree_triton.child_logprobs(rnd, rows, depth, states)
+    u = rnd.zproj[rows, depth] + rowdot(states, rnd.tables.w1_state_t.t())
+    w2_cand = rnd.tables.w2[rnd.cand_ids[rows, depth]]                       # [N, M, R]
+    return log_softmax(rnd.base_cand[rows, depth] + rowdot(u * sigmoid(u), w2_cand))
 
 
 def top_children(logp: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Best k candidates per row, ties to the lower candidate index: (candidate index [.., k], log-prob)."""
+    if on_triton(logp):
+        from speculative import tree_triton
+        return tree_triton.top_children(logp, k)
     vals, idx = torch.sort(logp, dim=-1, descending=True, stable=True)
     return idx[..., :k], vals[..., :k]
 
 
 def hidden_gates(rnd: TreeRound, states: Tensor) -> Tensor:
-    return rowdot(states, rnd.w_hh)
+    """W_hh h [N, 3G] for nodes with GRU states [N, G]: what their children's GRU steps read."""
+    if on_triton(states):
+        from speculative import tree_triton
+        return tree_triton.hidden_gates(rnd.tables, states)
+    return rowdot(states, rnd.tables.w_hh_t.t())
 
 
 def child_states(rnd: TreeRound, rows: Tensor, depth: int, cand: Tensor, parent_states: Tensor,
                  parent_gates: Tensor) -> Tensor:
     """GRU state of the child holding candidate `cand` [N] of `depth`, from its parent's state and gates."""
-    return gru_step(rnd.gate_in[rows, depth, cand], parent_gates, parent_states)
+    if on_triton(parent_states):
+        from speculative import tree_triton
+        return tree_triton.child_states(rnd, rows, depth, cand, parent_states, parent_gates)
+    return gru_step(rnd.tables.gates[rnd.cand_ids[rows, depth, cand]], parent_gates, parent_states)

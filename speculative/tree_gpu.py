@@ -1,4 +1,4 @@
-"""Batched frontier DominoTree builder: whole batch at once, fixed shapes, no host sync, CUDA-graph capturable.
+"""Batched frontier DominoTree builders: whole batch at once, fixed shapes, no host sync, CUDA-graph capturable.
 
 Per depth d it keeps L = `cfg.lanes` lanes per request: every lane of depth d-1 is expanded into its top-k
 children (scored by the shared row functions of speculative.tree), the P*k candidates are ordered by one stable
@@ -12,6 +12,10 @@ a stable sort put the shallower node first on ties. A node among the best `budge
 than `budget` better nodes, all of whose ancestors are better still; by induction its parent is a kept lane,
 and fewer than L nodes of its depth beat it, so it is a kept lane too. So the ledger holds the best `budget`
 nodes, in the heap's order, and their scores are bit-identical (same row functions, same float32 adds).
+
+Two builds of that algorithm: `build_frontier_torch` (torch ops, ~45 small kernels per depth) and
+speculative.tree_triton.build_fused (one launch per depth plus one for the ledger), which `build_frontier`
+picks wherever the row math runs on Triton (CUDA).
 """
 from __future__ import annotations
 
@@ -21,14 +25,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speculative.tree import (DraftTree, TreeConfig, TreeRound, child_logprobs, child_states, gate_table,
-                              hidden_gates, prepare_round, top_children)
+from speculative.tree import (DraftTree, HeadTables, TreeConfig, TreeRound, child_logprobs, child_states,
+                              hidden_gates, on_triton, prepare_round_with, top_children)
 
 NEG_INF = float("-inf")
 
 
-@torch.no_grad()
 def build_frontier(rnd: TreeRound, cfg: TreeConfig) -> DraftTree:
+    """The batched builder: fused Triton launches where the row math runs on Triton, torch ops elsewhere."""
+    if on_triton(rnd.cand_ids):
+        from speculative.tree_triton import build_fused
+        return build_fused(rnd, cfg)
+    return build_frontier_torch(rnd, cfg)
+
+
+@torch.no_grad()
+def build_frontier_torch(rnd: TreeRound, cfg: TreeConfig) -> DraftTree:
     b, depth_count, m = rnd.cand_ids.shape
     depth_count = min(cfg.max_depth, depth_count)
     k, lanes = min(cfg.node_topk, m), cfg.lanes
@@ -88,13 +100,32 @@ def _pick_from_ledger(score: Tensor, parent_lane: Tensor, token: Tensor, budget:
     return tree
 
 
+_FIELDS = (("tokens", torch.long), ("parents", torch.long), ("depths", torch.long), ("scores", torch.float32),
+           ("valid", torch.bool))
+
+
+def _tree_views(packed: Tensor, batch: int, budget: int) -> DraftTree:
+    """A DraftTree whose five [batch, budget] fields are consecutive slices of one byte buffer."""
+    views, at = [], 0
+    for _, dtype in _FIELDS:
+        size = batch * budget * torch.empty((), dtype=dtype).element_size()
+        views.append(packed[at:at + size].view(dtype).view(batch, budget))
+        at += size
+    return DraftTree(*views)
+
+
+def _packed_bytes(batch: int, budget: int) -> int:
+    return batch * budget * sum(torch.empty((), dtype=d).element_size() for _, d in _FIELDS)
+
+
 class GraphTreeBuilder:
     """prepare_round + build_frontier for one draft block, replayed from a CUDA graph per batch-size bucket.
 
     Inputs are copied into static buffers (rows past the batch keep stale data: requests never mix, and every
-    row's computation is batch-invariant, so padding changes no bit), the bucket's graph replays, and the outputs
-    are cloned. Off CUDA, or for a batch above the largest bucket, it runs eagerly. The gate table is computed
-    once here; recreate the builder if the drafter's weights change.
+    row's computation is batch-invariant, so padding changes no bit), the bucket's graph replays and writes the
+    tree into one packed buffer, and one copy clones it. A batch above the largest bucket runs in slices of it.
+    Off CUDA it runs eagerly. The head's tables (gate table included) are computed once here; recreate the
+    builder if the drafter's weights change.
     """
 
     def __init__(self, head, embed_weight: Tensor, cfg: TreeConfig, block_size: int, vocab_size: int,
@@ -102,23 +133,25 @@ class GraphTreeBuilder:
                  use_graphs: Optional[bool] = None, gates: Optional[Tensor] = None, pool=None):
         """gates: `gate_table(head, embed_weight)` when the caller already has it; pool: a graph memory pool
         shared with builders that never run at the same time (outputs are cloned right after each replay)."""
-        self.head, self.embed_weight, self.cfg, self.pool = head, embed_weight, cfg, pool
+        self.cfg, self.pool = cfg, pool
         self.device = embed_weight.device
-        self.gates = (gates if gates is not None else gate_table(head, embed_weight)) if cfg.corrected else None
+        self.tables = HeadTables.of(head, embed_weight, gates) if cfg.corrected else None
         self.buckets = sorted(set(batch_sizes))
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         top = self.buckets[-1]
         self.hidden = torch.zeros(top, block_size, hidden_size, dtype=dtype, device=self.device)
         self.base_logits = torch.zeros(top, block_size, vocab_size, dtype=dtype, device=self.device)
         self.root_ids = torch.zeros(top, dtype=torch.long, device=self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DraftTree]] = {}
+        self.packed = torch.zeros(_packed_bytes(top, cfg.budget), dtype=torch.uint8, device=self.device)
+        self.out = _tree_views(self.packed, top, cfg.budget)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_graphs:
             self._capture()
 
-    def _body(self, bs: int) -> DraftTree:
-        rnd = prepare_round(self.head, self.hidden[:bs], self.base_logits[:bs], self.root_ids[:bs],
-                            self.embed_weight, self.cfg, self.gates)
-        return build_frontier(rnd, self.cfg)
+    def _body(self, bs: int) -> None:
+        from speculative.tree_triton import build_fused
+        rnd = prepare_round_with(self.tables, self.hidden[:bs], self.base_logits[:bs], self.root_ids[:bs], self.cfg)
+        build_fused(rnd, self.cfg, DraftTree(*(getattr(self.out, f)[:bs] for f, _ in _FIELDS)))
 
     @torch.no_grad()
     def _capture(self) -> None:
@@ -132,20 +165,30 @@ class GraphTreeBuilder:
         for bs in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._body(bs)
-            self.graphs[bs] = (graph, out)
+                self._body(bs)
+            self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
 
-    @torch.no_grad()
-    def build(self, hidden: Tensor, base_logits: Tensor, root_ids: Tensor) -> DraftTree:
+    def _replay(self, hidden: Tensor, base_logits: Tensor, root_ids: Tensor) -> None:
         b = root_ids.shape[0]
-        bucket = next((bs for bs in self.buckets if bs >= b), None)
-        if not self.use_graphs or bucket is None:
-            rnd = prepare_round(self.head, hidden, base_logits, root_ids, self.embed_weight, self.cfg, self.gates)
-            return build_frontier(rnd, self.cfg)
         self.hidden[:b].copy_(hidden)
         self.base_logits[:b].copy_(base_logits)
         self.root_ids[:b].copy_(root_ids)
-        graph, out = self.graphs[bucket]
-        graph.replay()
-        return DraftTree(*(t[:b].clone() for t in (out.tokens, out.parents, out.depths, out.scores, out.valid)))
+        self.graphs[next(bs for bs in self.buckets if bs >= b)].replay()
+
+    @torch.no_grad()
+    def build(self, hidden: Tensor, base_logits: Tensor, root_ids: Tensor) -> DraftTree:
+        b, top, n = root_ids.shape[0], self.buckets[-1], self.cfg.budget
+        if not self.use_graphs:
+            return build_frontier(prepare_round_with(self.tables, hidden, base_logits, root_ids, self.cfg), self.cfg)
+        if b <= top:
+            self._replay(hidden, base_logits, root_ids)
+            tree = _tree_views(self.packed.clone(), top, n)
+            return DraftTree(*(getattr(tree, f)[:b] for f, _ in _FIELDS))
+        tree = _tree_views(torch.empty(_packed_bytes(b, n), dtype=torch.uint8, device=self.device), b, n)
+        for start in range(0, b, top):
+            stop = min(b, start + top)
+            self._replay(hidden[start:stop], base_logits[start:stop], root_ids[start:stop])
+            for f, _ in _FIELDS:
+                getattr(tree, f)[start:stop].copy_(getattr(self.out, f)[:stop - start])
+        return tree
