@@ -176,8 +176,10 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
-        if self._error is None:
+        try:
             self._send(("abort", request_id))
+        except OSError:                 # the core is gone: nothing left to abort (the reader reports why)
+            pass
 
     def stats(self) -> EngineStats:
         return self._call("get_stats")
