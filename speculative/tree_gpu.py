@@ -148,6 +148,11 @@ class GraphTreeBuilder:
         if self.use_graphs:
             self._capture()
 
+    @property
+    def gates(self) -> Optional[Tensor]:
+        """The gate table the builder reads (the caller's when it passed one)."""
+        return self.tables.gates if self.tables is not None else None
+
     def _body(self, bs: int) -> None:
         from speculative.tree_triton import build_fused
         rnd = prepare_round_with(self.tables, self.hidden[:bs], self.base_logits[:bs], self.root_ids[:bs], self.cfg)
