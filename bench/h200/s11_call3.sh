@@ -3,6 +3,8 @@
 # attention split rule (bench.engine, Llama-3-8B shape), the decode tuning sweep, the skinny GEMM GPU tests.
 set -u
 bash .stage/s11-1/keep.sh || true
+# run HEAD (.stage/snap.tgz, git archive without the drafter), not the working tree: helpers are mid-edit
+mkdir -p /tmp/snap && tar -C /tmp/snap -xzf .stage/snap.tgz && cd /tmp/snap
 export PYTHONPATH=$PWD:$PWD/tests
 nvidia-smi -L
 timeout 230 python3 -m bench.engine --shapes llama3-8b --no-hf --out $OUT/engine.json > $OUT/engine.txt 2>&1
