@@ -5,9 +5,14 @@ For each batch size b and draft-node count n it times the step a speculative rou
 forward over b requests x (1+n) tokens with a tree mask (a chain, same cost as any tree of n nodes), the
 drafter's aux layers and the logits of every row; n = 0 is the plain decode step (graphed when the runner has
 decode graphs). Each request reads a `context_len`-token prefix from block 0 and writes no K/V (slot -1), so
-the cache is untouched. The drafter's cost per batch size is one `Speculator.propose` (draft block, tree build,
-the host copy of the tree) for b fresh sequences. Times are medians of host wall-clock with the device
-synchronised before and after, i.e. what a round costs the engine loop.
+the cache is untouched. The drafter's cost per batch size is one round's drafting for b sequences: the context
+update of the previous round's root and accepted token, the draft block, the tree build and the host copy of
+the tree. Times are medians of host wall-clock with the device synchronised before and after, i.e. what a round
+costs the engine loop.
+
+With the runner's CUDA graphs, verify steps of (bucket, n) up to VERIFY_GRAPH_TOKENS tokens are captured before
+they are timed, so the policy weighs what the engine will replay; once the policy is chosen, only the verify
+graphs it can use are kept (`keep_verify_graphs`).
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ from speculative.cost_model import AcceptanceProfile, BudgetPolicy, VerifyProfil
 # undertrained drafter's measured tau 1.3-1.9 and trained DFlash/Domino drafters' 3-6. Flat in n, so the policy
 # picks the cheapest budget that beats plain decoding.
 PRIOR_ACCEPTED = 1.0
+# Verify graphs are captured for steps of at most this many tokens (batch bucket x (1 + nodes)): beyond the
+# memory-bound knee a verify step costs several plain steps, the host overhead a graph removes no longer matters,
+# and the graphs' memory stays bounded.
+VERIFY_GRAPH_TOKENS = 512
 
 
 def verify_step(runner, batch: int, nodes: int, context_len: int, aux_layers: tuple[int, ...]) -> StepInput:
@@ -61,20 +70,23 @@ def _seconds(fn: Callable[[], object], device: torch.device, warmup: int, iters:
 @torch.inference_mode()
 def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_counts: Sequence[int],
                            context_len: int = 256, warmup: int = 2, iters: int = 5) -> VerifyProfile:
-    """Timed verify forwards and draft rounds; a (batch, nodes) whose step exceeds the scheduler's token budget
-    (it never runs) is left out."""
+    """Timed verify forwards (through a CUDA graph where the runner has one) and draft rounds; a (batch, nodes)
+    whose step exceeds the scheduler's token budget (it never runs) is left out."""
     cfg = runner.config
     context_len = min(context_len, runner.max_model_len - 1 - max(node_counts, default=0))
     hidden = runner.model_config.hidden_size
     aux = [torch.zeros(context_len, hidden, dtype=runner.dtype, device=runner.device) for _ in speculator.aux_layers]
     step_seconds: dict[int, dict[int, float]] = {}
     draft_seconds: dict[int, float] = {}
+    graphed = set()
     for b in sorted(set(batch_sizes)):
         row = {}
         for n in sorted({0, *node_counts}):
             if b * (1 + n) > cfg.max_num_batched_tokens or b > cfg.max_num_seqs:
                 continue
             step = verify_step(runner, b, n, context_len, speculator.aux_layers)
+            if runner.graphs is not None and runner.graphs.can_run(step):
+                graphed.add((b, n))
             row[n] = _seconds(lambda: runner.forward(step).argmax(-1), runner.device, warmup, iters)
         if 0 not in row:
             continue
@@ -84,22 +96,69 @@ def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_
                 if n:
                     speculator.graph_builder(n)      # tree graphs captured at start-up, not while serving
         if len(row) > 1:
-            seqs = [SimpleNamespace(seq_id=-1 - i, last_token_id=0, num_tokens=context_len + 1) for i in range(b)]
-            for s in seqs:                                  # a context_len-token drafter context each
-                speculator.observe_at(s, aux, range(context_len), 0)
-            n = max(row)
-            draft_seconds[b] = _seconds(lambda: speculator.propose(seqs, n), runner.device, warmup, iters)
-            for s in seqs:
-                speculator.forget(s)
-    return VerifyProfile(step_seconds, draft_seconds)
+            draft_seconds[b] = _draft_seconds(speculator, b, max(row), aux, context_len, runner.device, warmup,
+                                              iters)
+    return VerifyProfile(step_seconds, draft_seconds, frozenset(graphed))
+
+
+def _draft_seconds(speculator, batch: int, nodes: int, aux, context_len: int, device, warmup: int,
+                   iters: int) -> float:
+    """A round's drafting for `batch` stand-in sequences with a context_len-token context each: the context
+    update of the previous round (root + PRIOR_ACCEPTED tokens), the draft block, the tree and its host copy."""
+    seqs = [SimpleNamespace(seq_id=-1 - i, last_token_id=0, num_tokens=context_len + 1) for i in range(batch)]
+    ids = np.repeat(np.asarray([s.seq_id for s in seqs], np.int64), context_len)
+    speculator.observe(aux, np.tile(np.arange(context_len), batch), ids, np.tile(np.arange(context_len), batch))
+    speculator.flush()
+    per_round = 1 + int(PRIOR_ACCEPTED)
+    rows = np.arange(per_round)
+
+    def round_():
+        start = seqs[0].num_tokens
+        speculator.observe(aux, np.tile(rows, batch), np.repeat(ids[::context_len], per_round),
+                           np.tile(start + rows, batch))
+        for s in seqs:
+            s.num_tokens += per_round
+        speculator.propose(seqs, nodes)
+    try:
+        return _seconds(round_, device, warmup, iters)
+    finally:
+        for s in seqs:
+            speculator.forget(s)
+
+
+def _candidate_shapes(runner, budgets: Sequence[int]) -> set[tuple[int, int]]:
+    """(bucket, nodes) verify graphs worth having for these budgets: within VERIFY_GRAPH_TOKENS and the token budget."""
+    cfg, graphs = runner.config, runner.graphs
+    limit = min(VERIFY_GRAPH_TOKENS, cfg.max_num_batched_tokens)
+    return {(b, n) for b in graphs.sizes for n in budgets if n > 0 and b * (1 + n) <= limit}
+
+
+def keep_verify_graphs(runner, speculator) -> None:
+    """Capture the verify graphs the speculator's policy can use and release the others (CUDA graphs only)."""
+    graphs, policy = runner.graphs, speculator.policy
+    if graphs is None:
+        return
+    want = set()
+    for b in range(1, runner.config.max_num_seqs + 1):
+        n = speculator.budget(b) if policy is not None else 0
+        if n:
+            want.add((graphs.bucket(b), n))
+    want &= _candidate_shapes(runner, sorted({n for _, n in want}))
+    graphs.drop_verify(speculator.aux_layers, want)
+    graphs.capture_verify(speculator.aux_layers, want)
+    if runner.device.type == "cuda":
+        for n in {n for _, n in want}:
+            speculator.graph_builder(n)
 
 
 def measured_budget_policy(runner, speculator) -> BudgetPolicy:
     """The cost-model policy over a profile measured now, at the batch sizes the engine can run and budgets of
-    the configured maximum, its half and its quarter."""
+    the configured maximum, its half and its quarter (verify steps graphed where they will be)."""
     top = speculator.max_budget
     budgets = sorted({n for n in (top, top // 2, top // 4) if n > 0})
     most = runner.config.max_num_seqs
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= most] + ([most] if most < 64 else [])
+    if runner.graphs is not None:
+        runner.graphs.capture_verify(speculator.aux_layers, _candidate_shapes(runner, budgets))
     profile = measure_verify_profile(runner, speculator, sorted(set(sizes)), budgets)
     return BudgetPolicy(profile, AcceptanceProfile({n: PRIOR_ACCEPTED for n in budgets if n > 0}))

@@ -76,7 +76,7 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
 
     bs = engine.config.block_size
     src, dst = [], []
-    kept: list[tuple[Sequence, int, int, list[int]]] = []
+    kept: list[tuple[Sequence, int, int, np.ndarray]] = []
     for b, seq in enumerate(seqs):
         root, count = seq.num_computed_tokens, int(num_emitted[b])
         for j, token in enumerate(emitted[b, :count].tolist()):
@@ -92,13 +92,15 @@ def verify_round(engine: "LLMEngine", seqs: list[Sequence], tree: DraftTree, row
             s, d = root + slots[b, moved], root + moved
             src.append(table[s // bs] * bs + s % bs)
             dst.append(table[d // bs] * bs + d % bs)
-        kept.append((seq, root, k, (first_rows[b] + slots[b, :k + 1]).tolist()))
+        kept.append((seq, root, k, first_rows[b] + slots[b, :k + 1]))
     if src:
         engine.runner.call_all("compact_kv", np.concatenate(src), np.concatenate(dst))
     bm = engine.block_manager
-    spec = engine.speculator
-    for seq, root, k, hidden_rows in kept:
+    for seq, root, k, _ in kept:
         seq.num_computed_tokens = root + 1 + k
         bm.commit_full_blocks(seq, root)
         bm.truncate(seq, -(-seq.num_tokens // bs))
-        spec.observe_at(seq, aux, hidden_rows, root)
+    if kept:                                     # the root's and the accepted nodes' hidden states
+        engine.speculator.observe(aux, np.concatenate([rows for *_, rows in kept]),
+                                  np.concatenate([np.full(len(rows), seq.seq_id) for seq, _, _, rows in kept]),
+                                  np.concatenate([root + np.arange(len(rows)) for _, root, _, rows in kept]))

@@ -5,6 +5,11 @@ Every computed token's target hidden states (the residual stream after the draft
 sequence's context once, in position order: a prefill chunk's rows, a plain decode's row, a verify round's
 root and accepted nodes. A preempted sequence recomputes from scratch, so its context is cut back to the
 position it restarts from. Positions the engine never computed (prefix-cache hits) are simply absent.
+
+What a speculative engine pays when it does not draft: with a policy that never speculates (`enabled` False)
+nothing at all, the engine runs as a plain one (plain decode graphs, no aux outputs, no context work). Otherwise
+a step that does not draft records its rows (a few numpy calls) and the drafter's context projection runs once
+per round, over every row observed since the last one (speculative/context_cache.py, PendingObservations).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from replicas.sequence import Sequence
 from replicas.step_input import TreeRow
 from speculative.baselines import METHODS, make_builder
 from replicas.transfer import to_device
-from speculative.context_cache import PagedDraftContext
+from speculative.context_cache import PagedDraftContext, PendingObservations
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.tree import DraftTree, gate_table, prepare_round
@@ -48,7 +53,7 @@ class Speculator:
         cfg = self.cfg
         self.contexts = PagedDraftContext(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, embed_weight.dtype,
                                           embed_weight.device, num_pages=max(64, 2 * max_num_seqs))
-        self._pending = _PendingRows()
+        self._pending = PendingObservations(self._aux_order)
 
     @staticmethod
     def create(config: EngineConfig, model_config: ModelConfig, runner) -> "Speculator":
@@ -75,10 +80,23 @@ class Speculator:
         runner.capture_aux_graphs(spec.aux_layers)          # CUDA only: plain decode steps stay graphed
         if runner.device.type == "cuda" and spec.max_budget > 0:
             from replicas.spec_profile import measured_budget_policy
-            spec.policy = measured_budget_policy(runner, spec)      # captures the tree graphs of its budgets
+            spec.use_policy(measured_budget_policy(runner, spec), runner)   # tree and verify graphs of its budgets
         return spec
 
     # ---- budget -----------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        """False when the policy never speculates: the engine then runs exactly as a plain engine."""
+        return self.policy is not None and self.policy.top_budget > 0
+
+    def use_policy(self, policy, runner=None) -> None:
+        """Serve with `policy` from now on; with the runner's CUDA graphs, the verify graphs it needs are captured
+        (and those it never uses dropped), the tree graphs of its budgets too."""
+        self.policy = policy
+        if runner is not None and runner.graphs is not None:
+            from replicas.spec_profile import keep_verify_graphs
+            keep_verify_graphs(runner, self)
+
     def budget(self, batch_size: int) -> int:
         """Draft nodes per decoding sequence for a batch of this size (0 = plain decoding)."""
         n = self.policy.budget(max(1, batch_size)) if self.policy is not None else 0
@@ -108,37 +126,56 @@ class Speculator:
         return self._graph_builders[n]
 
     # ---- context ----------------------------------------------------------------------------
-    def target_hidden(self, aux: list[Tensor], rows: Tensor) -> Tensor:
-        """[len(rows), layers * hidden] in the drafter's layer order, from the runner's `last_aux_hidden`."""
-        return torch.cat([aux[j][rows] for j in self._aux_order], -1)
+    def observe_step(self, batch, step, aux: list[Tensor]) -> None:
+        """The step's plain rows (every sequence that verified no tree): their computed tokens' hidden states, in
+        `aux` (the runner's `last_aux_hidden`), enter the drafter context when a round needs it."""
+        counts = np.diff(step.query_start_loc)
+        seq_ids = np.fromiter((s.seq_id for s in batch.seqs), np.int64, len(batch.seqs))
+        if not any(batch.drafts):
+            if step.num_tokens == len(seq_ids):                  # a decode step: row i is sequence i
+                self.observe(aux, None, seq_ids, step.positions)
+                return
+            plain = np.ones(len(seq_ids), dtype=bool)
+        else:
+            plain = np.asarray(batch.drafts) == 0
+        rows = np.flatnonzero(np.repeat(plain, counts))
+        self.observe(aux, rows, np.repeat(seq_ids, counts)[rows], step.positions[rows])
+
+    def observe(self, aux: list[Tensor], rows: Optional[np.ndarray], seq_ids: np.ndarray,
+                positions: np.ndarray) -> None:
+        """Rows `rows` of `aux` (None: all) hold sequence seq_ids[i]'s token at positions[i]. Deferred: projected
+        into context K/V at the next `flush` (a round's `propose`, or when the held rows pass a bound)."""
+        self._pending.add(aux, rows, seq_ids, positions)
+        if self._pending.full:
+            self.flush()
 
     def observe_rows(self, seq: Sequence, aux: list[Tensor], first_row: int, first_position: int, n: int) -> None:
-        """A plain row of the step: its n computed tokens, from step row `first_row`, at first_position..+n-1."""
+        """One sequence's n computed tokens, from step row `first_row`, at first_position..+n-1."""
         self.observe_at(seq, aux, range(first_row, first_row + n), first_position)
 
     def observe_at(self, seq: Sequence, aux: list[Tensor], rows, first_position: int) -> None:
-        """Step rows `rows` of `aux` hold seq's tokens at first_position, +1, ... Only bookkeeping here: the
-        step's rows are projected together, once, when the step's observations are complete (`flush`)."""
-        if len(rows) == 0:
-            return
-        if self._pending.aux is not None and self._pending.aux is not aux:
-            self.flush()
-        slots = self.contexts.reserve(seq.seq_id, first_position, len(rows))
-        self._pending.add(aux, rows, range(first_position, first_position + len(rows)), slots)
+        """Step rows `rows` of `aux` hold seq's tokens at first_position, +1, ..."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self.observe(aux, rows, np.full(len(rows), seq.seq_id, np.int64),
+                     np.arange(first_position, first_position + len(rows), dtype=np.int64))
 
     @torch.inference_mode()
     def flush(self) -> None:
         """Project every pending row's hidden states into drafter context K/V (one batched pass) and store them."""
-        p = self._pending
-        if p.aux is None:
+        taken = self._pending.take()
+        if taken is None:
             return
-        packed = to_device(np.asarray([p.rows, p.positions, p.slots], dtype=np.int64), self.contexts.device)
-        hidden = self.target_hidden(p.aux, packed[0]).to(self.embed_weight.dtype)
-        self.contexts.write(packed[2], self.drafter.backbone.context(hidden[None], packed[1][None]))
-        self._pending = _PendingRows()
+        hidden, seq_ids, positions = taken
+        slots, keep = self.contexts.reserve_rows(seq_ids, positions)
+        if not keep.all():                                   # a recompute overwrote slots within this flush
+            hidden, slots, positions = hidden[to_device(np.flatnonzero(keep), hidden.device)], slots[keep], \
+                positions[keep]
+        packed = to_device(np.stack([positions, slots]), self.contexts.device)
+        ctx = self.drafter.backbone.context(hidden[None].to(self.embed_weight.dtype), packed[0][None])
+        self.contexts.write(packed[1], ctx)
 
     def forget(self, seq: Sequence) -> None:
-        self.flush()
+        self._pending.forget(seq.seq_id)
         self.contexts.forget(seq.seq_id)
 
     # ---- drafting ---------------------------------------------------------------------------
@@ -183,20 +220,3 @@ def tree_rows(tree: DraftTree) -> TreeRows:
         cur = np.take_along_axis(up, cur, 1)
         np.put_along_axis(masks, cur[..., None], True, 2)
     return TreeRows([TreeRow(tokens[i].tolist(), offsets[i].tolist(), masks[i]) for i in range(b)], parents, valid)
-
-
-class _PendingRows:
-    """Observations of one step, not yet projected: step rows of `aux`, their positions and context slots."""
-
-    def __init__(self):
-        self.aux: Optional[list[Tensor]] = None
-        self.rows: list[int] = []
-        self.positions: list[int] = []
-        self.slots: list[int] = []
-
-    def add(self, aux: list[Tensor], rows, positions, slots: list[int]) -> None:
-        """rows, positions: ranges or int arrays of one sequence's entries."""
-        self.aux = aux
-        self.rows.extend(rows)
-        self.positions.extend(positions)
-        self.slots.extend(slots)

@@ -9,8 +9,14 @@ Bookkeeping is on the host: per sequence its pages, its length and its runs of c
 prefix-cache hit leaves a gap: those positions were never computed here). Writing from position p keeps only
 the entries below p (a preempted sequence recomputes from its start). The pool doubles when it runs out of
 pages; page ids stay valid across growth.
+
+Observations are deferred (`PendingObservations`): a step only records which rows of its target hidden states
+belong to which sequence and position; the projection into context K/V runs once for many steps' rows, when a
+drafting round needs the contexts or the held rows pass a bound. A step that does not draft pays no drafter work.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import torch
@@ -78,6 +84,27 @@ class PagedDraftContext:
         idx = np.arange(start, end)
         return (np.asarray(pages, dtype=np.int64)[idx // size] * size + idx % size).tolist()
 
+    def reserve_rows(self, seq_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`reserve` for rows in time order (row i: seq_ids[i]'s token at positions[i]), one call per run of
+        consecutive positions of a sequence. Returns (slots, keep): a later row of the same sequence at or below
+        an earlier one's position (a recompute after preemption) takes its slot, so only the last writer of each
+        slot is kept."""
+        order = np.argsort(seq_ids, kind="stable")
+        s, p = seq_ids[order], positions[order]
+        cuts = np.flatnonzero((s[1:] != s[:-1]) | (p[1:] != p[:-1] + 1)) + 1
+        bounds = np.concatenate([[0], cuts, [len(s)]]).tolist()
+        slots = np.empty(len(s), np.int64)
+        for a, e in zip(bounds[:-1], bounds[1:]):
+            slots[a:e] = self.reserve(int(s[a]), int(p[a]), e - a)
+        out = np.empty_like(slots)
+        out[order] = slots
+        if len(cuts) == 0 or len(np.unique(out)) == len(out):
+            return out, np.ones(len(out), dtype=bool)
+        last = len(out) - 1 - np.unique(out[::-1], return_index=True)[1]
+        keep = np.zeros(len(out), dtype=bool)
+        keep[last] = True
+        return out, keep
+
     def _grow(self, at_least: int) -> None:
         old = self.pool.shape[2]
         new = max(2 * old, old + at_least)
@@ -110,3 +137,72 @@ class PagedDraftContext:
         self.free.extend(reversed(self.pages.pop(seq_id, [])))
         self.lengths.pop(seq_id, None)
         self.runs.pop(seq_id, None)
+
+
+class PendingObservations:
+    """Computed tokens whose drafter context is not written yet: per recorded step, its target hidden states
+    (one [T, hidden] tensor per aux layer, kept alive here) and, per used row, the sequence and position.
+
+    Recording is a few numpy calls per step, whatever the batch. `take` gathers every held row, in record order,
+    as [R, layers * hidden] in the drafter's layer order. Rows of a sequence recorded before it was forgotten are
+    dropped (a finished sequence's id is never observed again; the profile's stand-in ids may be)."""
+
+    def __init__(self, layer_order: list[int], max_held_rows: int = 2048):
+        self.layer_order = layer_order
+        self.max_held_rows = max_held_rows
+        self.segments: list[list] = []        # [aux, rows (None: all), seq_ids, positions]
+        self.held_rows = 0
+        self.recorded = 0                     # rows recorded so far (the forgotten marks count in these)
+        self.forgotten: dict[int, int] = {}   # seq_id -> rows recorded before it was forgotten
+
+    def __bool__(self) -> bool:
+        return bool(self.segments)
+
+    @property
+    def full(self) -> bool:
+        return self.held_rows >= self.max_held_rows
+
+    def add(self, aux: list[Tensor], rows: Optional[np.ndarray], seq_ids: np.ndarray, positions: np.ndarray) -> None:
+        """rows: rows of `aux` (None: all of them, in order) holding seq_ids[i]'s token at positions[i]."""
+        if len(seq_ids) == 0:
+            return
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last[0] is aux:               # a step's plain rows, then its verified ones
+            n = aux[0].shape[0]
+            last[1] = np.concatenate([np.arange(n) if last[1] is None else last[1],
+                                      np.arange(n) if rows is None else rows])
+            last[2], last[3] = np.concatenate([last[2], seq_ids]), np.concatenate([last[3], positions])
+        else:
+            self.segments.append([aux, rows, seq_ids, positions])
+            self.held_rows += aux[0].shape[0]
+        self.recorded += len(seq_ids)
+
+    def forget(self, seq_id: int) -> None:
+        if self.segments:
+            self.forgotten[seq_id] = self.recorded
+
+    def take(self) -> Optional[tuple[Tensor, np.ndarray, np.ndarray]]:
+        """(hidden [R, layers * hidden], seq_ids [R], positions [R]) of every live held row; empties the log."""
+        segments, forgotten = self.segments, self.forgotten
+        self.segments, self.forgotten, self.held_rows = [], {}, 0
+        start = self.recorded - sum(len(seg[2]) for seg in segments)
+        parts, ids, positions = [], [], []
+        for aux, rows, sid, pos in segments:
+            first, start = start, start + len(sid)
+            if forgotten:
+                index = first + np.arange(len(sid))
+                live = np.ones(len(sid), dtype=bool)
+                for s, mark in forgotten.items():
+                    live &= ~((sid == s) & (index < mark))
+                if not live.all():
+                    rows = np.flatnonzero(live) if rows is None else rows[live]
+                    sid, pos = sid[live], pos[live]
+            if len(sid) == 0:
+                continue
+            hidden = torch.cat([aux[j] for j in self.layer_order], -1)
+            parts.append(hidden if rows is None else hidden[to_device(rows, hidden.device)])
+            ids.append(sid)
+            positions.append(pos)
+        if not parts:
+            return None
+        return torch.cat(parts) if len(parts) > 1 else parts[0], np.concatenate(ids), np.concatenate(positions)

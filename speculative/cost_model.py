@@ -19,6 +19,7 @@ from typing import Mapping, Optional, Sequence
 class VerifyProfile:
     step_seconds: Mapping[int, Mapping[int, float]]      # batch -> {draft nodes per request: seconds}; 0 = plain
     draft_seconds: Mapping[int, float] = field(default_factory=dict)   # batch -> drafter + tree build seconds
+    graphed: frozenset = frozenset()      # (batch, nodes) whose step was timed replaying a CUDA graph
 
     def __post_init__(self):
         for b, row in self.step_seconds.items():
@@ -87,14 +88,62 @@ class BudgetPolicy:
     """Budget per batch size, decided once from the profiles: `policy.budget(batch_size)` on the hot path."""
 
     def __init__(self, verify: VerifyProfile, acceptance: AcceptanceProfile, **limits):
-        self.verify = verify
+        self.verify, self.acceptance, self.limits = verify, acceptance, limits
         self.choices = {b: choose_budget(b, verify, acceptance, **limits) for b in verify.batch_sizes}
+        self.top_budget = max((c.budget for c in self.choices.values()), default=0)   # 0: never speculates
 
     def budget(self, batch_size: int) -> int:
         """Above the largest measured batch: 0 (verify cost only grows with the batch; nothing says it pays)."""
         if batch_size > self.verify.batch_sizes[-1]:
             return 0
         return self.choices[self.verify.batch_row(batch_size)].budget
+
+    def describe(self) -> dict:
+        """What the policy saw and chose, per measured batch size, in ms and tokens per round (for reports)."""
+        rows = {}
+        for b in self.verify.batch_sizes:
+            plain, draft = self.verify.step_time(b, 0), self.verify.draft_time(b)
+            ms_per_token = {}
+            for n, accepted in sorted(self.acceptance.accepted.items()):
+                step = self.verify.step_time(b, n)
+                if n > 0 and step is not None:
+                    ms_per_token[n] = 1e3 * (step + draft) / (1.0 + accepted)
+            choice = self.choices[b]
+            best = min(ms_per_token, key=ms_per_token.get, default=None)
+            if choice.budget:
+                reason = f"{choice.budget} nodes: {ms_per_token[choice.budget]:.3f} ms/token < plain {1e3 * plain:.3f}"
+            elif best is None:
+                reason = "no budget measured at this batch size (over the token budget)"
+            elif ms_per_token[best] < 1e3 * plain:
+                reason = f"{best} nodes would pay but their logits exceed the memory cap"
+            else:
+                reason = (f"plain {1e3 * plain:.3f} ms/token beats the best round ({best} nodes: verify "
+                          f"{1e3 * self.verify.step_time(b, best):.3f} + draft {1e3 * draft:.3f} ms for "
+                          f"{1 + self.acceptance.accepted[best]:.2f} tokens = {ms_per_token[best]:.3f} ms/token)")
+            rows[f"b{b}"] = dict(plain_ms=1e3 * plain, draft_ms=1e3 * draft,
+                                 verify_ms={str(n): 1e3 * t for n, t in sorted(self.verify.step_seconds[b].items())
+                                            if n},
+                                 verify_graphed=sorted(n for bb, n in self.verify.graphed if bb == b and n),
+                                 round_ms_per_token={str(n): v for n, v in ms_per_token.items()},
+                                 budget=choice.budget, reason=reason)
+        return dict(kind="measured", accepted_per_round={str(n): a for n, a in self.acceptance.accepted.items()},
+                    largest_measured_batch=self.verify.batch_sizes[-1], by_batch=rows)
+
+
+@dataclass(frozen=True)
+class FixedBudgetPolicy:
+    """The same budget at every batch size, bypassing the cost model (benchmarks measuring acceptance)."""
+    nodes: int
+
+    @property
+    def top_budget(self) -> int:
+        return self.nodes
+
+    def budget(self, batch_size: int) -> int:
+        return self.nodes
+
+    def describe(self) -> dict:
+        return dict(kind="fixed", budget=self.nodes)
 
 
 # A verify forward over up to this many tokens costs about one plain decode step on a datacenter GPU: decoding is
@@ -118,3 +167,11 @@ class KneeBudgetPolicy:
     def budget(self, batch_size: int) -> int:
         n = min(self.max_budget, self.knee_tokens // max(1, batch_size) - 1)
         return n if n >= min(self.min_nodes, self.max_budget) else 0
+
+    @property
+    def top_budget(self) -> int:
+        """The largest budget it ever picks (at batch 1; 0: never speculates)."""
+        return self.budget(1)
+
+    def describe(self) -> dict:
+        return dict(kind="knee", knee_tokens=self.knee_tokens, max_budget=self.max_budget, min_nodes=self.min_nodes)

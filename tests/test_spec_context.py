@@ -73,6 +73,7 @@ def test_forgotten_pages_are_reused_and_drafting_reads_the_cache():
     a, b = SimpleNamespace(seq_id=7), SimpleNamespace(seq_id=8)
     spec.observe_rows(a, aux, 0, 0, 10)
     spec.observe_rows(b, aux, 10, 0, 2)
+    spec.flush()
     spec.forget(a)
     pages = spec.contexts.pool.shape[2]
     spec.observe_rows(SimpleNamespace(seq_id=9), [x + 1 for x in aux], 0, 0, 9)

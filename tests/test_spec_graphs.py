@@ -1,7 +1,10 @@
-"""Decode graphs with aux outputs, on CPU: the graphs' buffer logic (static inputs, padded buckets, per aux-layer
-variants, views handed out) with a replay that reruns the model eagerly on the static buffers, as a CUDA graph
-would. A graphed step returns the eager step's logits and aux hidden states, and a speculative engine whose
-plain decode steps replay these graphs still decodes exactly like plain greedy decoding."""
+"""Decode and verify graphs, on CPU: the graphs' buffer logic (static inputs, padded buckets and lanes, per
+aux-layer variants, tree masks, views handed out) with a replay that reruns the model eagerly on the static
+buffers, as a CUDA graph would. A graphed step returns the eager step's logits and aux hidden states, and a
+speculative engine whose decode and verify steps replay these graphs still decodes exactly like plain greedy
+decoding; with a policy that never speculates it replays the plain graphs only and records no context."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +14,7 @@ from replicas import LLM, SamplingParams
 from replicas.attention.context import forward_context
 from replicas.cuda_graphs import DecodeGraphs, GraphEntry
 from replicas.step_input import StepInput
-from speculative.cost_model import KneeBudgetPolicy
+from speculative.cost_model import FixedBudgetPolicy, KneeBudgetPolicy
 from support.greedy import compare_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -20,29 +23,30 @@ ENGINE = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
 
 class EagerReplayGraphs(DecodeGraphs):
     """A 'graph' that reruns the model on the static buffers and writes the static outputs (the torch backend
-    plans from host copies of the buffers; a CUDA graph needs none)."""
-    replays = 0
+    plans from host copies of the buffers; a CUDA graph needs none). Counts replays per query length."""
 
     def __init__(self, backend, *args):
         super().__init__(*args)
         self.backend = backend
+        self.replays: dict[int, int] = {}
 
-    def _eager(self, b, aux_layers):
-        ctx = self._context(b)
-        ctx.query_lens_host, ctx.seq_lens_host, ctx.backend_state = [1] * b, self.seq_lens[:b].tolist(), {}
+    def _eager(self, b, aux_layers, q):
+        ctx = self._context(b, q)
+        ctx.query_lens_host, ctx.seq_lens_host, ctx.backend_state = [q] * b, self.seq_lens[:b].tolist(), {}
         self.backend.plan(ctx)
+        buf = self.tokens[q]
         with forward_context(ctx):
-            return self.model(self.input_ids[:b], self.positions[:b], aux_layers)
+            return self.model(buf.input_ids[:b * q], buf.positions[:b * q], aux_layers)
 
-    def _record(self, b, aux_layers):
-        hidden, aux = self._eager(b, aux_layers)
+    def _record(self, b, aux_layers, q=1):
+        hidden, aux = self._eager(b, aux_layers, q)
 
         def replay():
-            h, a = self._eager(b, aux_layers)
+            h, a = self._eager(b, aux_layers, q)
             hidden.copy_(h)
             for out, new in zip(aux, a):
                 out.copy_(new)
-            self.replays += 1
+            self.replays[q] = self.replays.get(q, 0) + 1
         return GraphEntry(replay, hidden, list(aux))
 
 
@@ -80,7 +84,7 @@ def test_graphed_aux_step_equals_eager(folder):
             graphs = install_graphs(llm)
             assert graphs.can_run(step) and not graphs.can_run(decode_step((0,), b))   # no variant for (0,)
             graphed = runner.forward(step)
-            assert graphs.replays == 1
+            assert graphs.replays == {1: 1}
             torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
             assert len(runner.last_aux_hidden) == len(aux_layers) == len(eager_aux)
             for g, e in zip(runner.last_aux_hidden, eager_aux):
@@ -95,7 +99,63 @@ def test_graphed_aux_step_equals_eager(folder):
         llm.shutdown()
 
 
-def test_speculative_engine_with_graphed_plain_steps_matches_plain(folder):
+def verify_step(aux_layers, b, n, seed=0):
+    """b requests verifying random trees of n nodes after prefixes of 3..40 tokens, in their own blocks."""
+    rng = np.random.default_rng(seed)
+    q = 1 + n
+    prefix = rng.integers(3, 40, b)
+    width = -(-int((prefix + q).max()) // 16)
+    tables = (1 + np.arange(b * width, dtype=np.int32)).reshape(b, width)
+    parents = [[-1] + [int(rng.integers(-1, i)) for i in range(n - 1)] for _ in range(b)]
+    masks = np.zeros((b, q, q), dtype=bool)
+    offsets = np.zeros((b, q), dtype=np.int64)
+    for r in range(b):
+        masks[r, :, 0] = True
+        for i, p in enumerate(parents[r]):
+            masks[r, 1 + i, 1 + i] = True
+            if p >= 0:
+                masks[r, 1 + i] |= masks[r, 1 + p]
+            offsets[r, 1 + i] = masks[r, 1 + i].sum() - 1
+    slots = prefix[:, None] + np.arange(q)
+    return StepInput(input_ids=rng.integers(3, 300, b * q), positions=(prefix[:, None] + offsets).ravel(),
+                     slot_mapping=(np.take_along_axis(tables, slots // 16, 1) * 16 + slots % 16).ravel(),
+                     query_start_loc=np.arange(0, b * q + 1, q, dtype=np.int32),
+                     seq_lens=(prefix + q).astype(np.int32), block_tables=tables,
+                     sample_indices=np.arange(b * q, dtype=np.int64), tree_mask=masks, aux_layers=aux_layers)
+
+
+def test_graphed_verify_step_equals_eager(folder):
+    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **ENGINE)
+    try:
+        runner, aux_layers = llm.engine.runner, llm.engine.speculator.aux_layers
+        graphs = install_graphs(llm)
+        graphs.capture_verify(aux_layers, {(4, 3), (8, 5)})
+        assert graphs.verify_shapes(aux_layers) == {(4, 3), (8, 5)}
+        for b, n in ((3, 3), (4, 3), (7, 5)):
+            step = verify_step(aux_layers, b, n, seed=b)
+            assert graphs.can_run(step)
+            runner.graphs = None
+            eager = runner.forward(step)
+            eager_aux = [a.clone() for a in runner.last_aux_hidden]
+            runner.graphs = graphs
+            graphed = runner.forward(step)
+            torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+            for g, e in zip(runner.last_aux_hidden, eager_aux):
+                assert g.shape == e.shape == (b * (1 + n), llm.engine.model_config.hidden_size)
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        assert graphs.replays == {4: 2, 6: 1}
+        assert not graphs.can_run(verify_step(aux_layers, 3, 4))                 # no graph for 4 nodes
+        assert not graphs.can_run(replace(verify_step(aux_layers, 3, 3), aux_layers=()))   # nor without aux
+        mixed = verify_step(aux_layers, 2, 3)
+        mixed.query_start_loc = np.asarray([0, 2, 8], dtype=np.int32)          # a 2-token chunk + a tree row
+        assert not graphs.can_run(mixed)
+        graphs.drop_verify(aux_layers, {(8, 5)})
+        assert graphs.verify_shapes(aux_layers) == {(8, 5)} and not graphs.can_run(verify_step(aux_layers, 3, 3))
+    finally:
+        llm.shutdown()
+
+
+def test_speculative_engine_with_graphed_steps_matches_plain(folder):
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, hf.config.vocab_size, (k,), generator=g).tolist() for k in (5, 9, 14, 3, 21, 7, 11)]
@@ -105,17 +165,29 @@ def test_speculative_engine_with_graphed_plain_steps_matches_plain(folder):
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     finally:
         plain.shutdown()
-    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **ENGINE)
-    try:
-        graphs = install_graphs(llm)
-        llm.engine.speculator.policy = KneeBudgetPolicy(8, knee_tokens=30)      # batch >= 7: plain, graphed
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert graphs.replays > 0 and llm.engine.get_stats().spec_drafts > 0
-        assert llm.engine.block_manager.num_used_blocks == 0
-    finally:
-        llm.shutdown()
 
     @torch.no_grad()
     def last(ids):
         return hf(torch.tensor([ids])).logits[0, -1]
-    compare_greedy(prompts, got, want, last)
+
+    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **ENGINE)
+    try:
+        graphs, spec = install_graphs(llm), llm.engine.speculator
+        spec.use_policy(KneeBudgetPolicy(8, knee_tokens=30), llm.engine.runner)    # batch >= 7: plain, graphed
+        assert graphs.verify_shapes(spec.aux_layers) == {(1, 8), (2, 8), (4, 8), (4, 6), (8, 5), (8, 4)}
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert graphs.replays[1] > 0 and sum(v for q, v in graphs.replays.items() if q > 1) > 0
+        assert llm.engine.get_stats().spec_drafts > 0
+        assert llm.engine.block_manager.num_used_blocks == 0
+        compare_greedy(prompts, got, want, last)
+
+        spec.use_policy(FixedBudgetPolicy(0), llm.engine.runner)     # never speculates: a plain engine
+        assert not spec.enabled and not graphs.verify_shapes(spec.aux_layers)
+        asked, run = [], graphs.run
+        graphs.run = lambda step: (asked.append(step.aux_layers), run(step))[1]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert asked and set(asked) == {()} and llm.engine.runner.last_aux_hidden == []
+        assert not spec.contexts.lengths and not spec._pending
+        compare_greedy(prompts, again, want, last)
+    finally:
+        llm.shutdown()

@@ -1,6 +1,10 @@
 """A speculative engine on CUDA: decode graphs with the drafter's aux outputs give the eager step's logits and
-hidden states, the budget comes from a profile measured at start-up, trees come from GraphTreeBuilder, and
-greedy output equals plain greedy (near-tie rule) with plain steps graphed and speculative steps mixed in."""
+hidden states (and the plain graph's logits bit for bit), verify graphs give the eager verify step's, the budget
+comes from a profile measured at start-up over graphed verify steps and keeps only the verify graphs it uses,
+trees come from GraphTreeBuilder, greedy output equals plain greedy (near-tie rule) with decode and verify
+steps graphed, and a policy that never speculates leaves a plain engine (plain graphs, no aux, no context)."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -8,7 +12,7 @@ import torch
 from checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
 from replicas.step_input import StepInput
-from speculative.cost_model import BudgetPolicy, KneeBudgetPolicy
+from speculative.cost_model import BudgetPolicy, FixedBudgetPolicy, KneeBudgetPolicy
 from support.greedy import compare_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -22,31 +26,64 @@ def folder(tmp_path_factory):
 
 
 def decode_step(aux_layers, b):
+    """b requests of 20 .. 19+b tokens, each in its own ceil(len / 16) blocks (every block its table reads)."""
     lens = np.arange(20, 20 + b, dtype=np.int32)
-    blocks = np.arange(1, 2 * b + 1, dtype=np.int32).reshape(b, 2)
+    width = -(-int(lens.max()) // 16)
+    blocks = np.arange(1, b * width + 1, dtype=np.int32).reshape(b, width)
     last = lens - 1
     return StepInput(input_ids=np.arange(5, 5 + b, dtype=np.int64), positions=last.astype(np.int64),
-                     slot_mapping=(blocks[:, 1] * 16 + last % 16).astype(np.int64),
+                     slot_mapping=(blocks[np.arange(b), last // 16] * 16 + last % 16).astype(np.int64),
                      query_start_loc=np.arange(b + 1, dtype=np.int32), seq_lens=lens, block_tables=blocks,
                      sample_indices=np.arange(b, dtype=np.int64), aux_layers=aux_layers)
 
 
-def test_graphed_aux_step_equals_eager(folder):
+def verify_step(aux_layers, b, n, seed=0):
+    """b requests verifying random trees of n nodes after prefixes of 3..60 tokens, in their own blocks."""
+    rng = np.random.default_rng(seed)
+    q = 1 + n
+    prefix = rng.integers(3, 60, b)
+    width = -(-int((prefix + q).max()) // 16)
+    tables = (1 + np.arange(b * width, dtype=np.int32)).reshape(b, width)
+    masks = np.zeros((b, q, q), dtype=bool)
+    offsets = np.zeros((b, q), dtype=np.int64)
+    masks[:, :, 0] = True
+    for r in range(b):
+        for i in range(n):
+            p = int(rng.integers(-1, i)) if i else -1
+            masks[r, 1 + i, 1 + i] = True
+            if p >= 0:
+                masks[r, 1 + i] |= masks[r, 1 + p]
+            offsets[r, 1 + i] = masks[r, 1 + i].sum() - 1
+    slots = prefix[:, None] + np.arange(q)
+    return StepInput(input_ids=rng.integers(3, 300, b * q), positions=(prefix[:, None] + offsets).ravel(),
+                     slot_mapping=(np.take_along_axis(tables, slots // 16, 1) * 16 + slots % 16).ravel(),
+                     query_start_loc=np.arange(0, b * q + 1, q, dtype=np.int32),
+                     seq_lens=(prefix + q).astype(np.int32), block_tables=tables,
+                     sample_indices=np.arange(b * q, dtype=np.int64), tree_mask=masks, aux_layers=aux_layers)
+
+
+def eager_and_graphed(runner, step):
+    graphs = runner.graphs
+    runner.graphs = None
+    try:
+        eager = runner.forward(step)
+        eager_aux = [a.clone() for a in runner.last_aux_hidden]
+    finally:
+        runner.graphs = graphs
+    assert graphs.can_run(step)
+    graphed = runner.forward(step)
+    return eager, eager_aux, graphed, runner.last_aux_hidden
+
+
+def test_graphed_aux_and_verify_steps_equal_eager(folder):
     llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **KW)
     try:
         runner, spec = llm.engine.runner, llm.engine.speculator
         graphs = runner.graphs
-        assert graphs is not None and tuple(spec.aux_layers) in graphs.graphs and () in graphs.graphs
-        assert isinstance(spec.policy, BudgetPolicy) and spec._graph_builders
+        assert graphs is not None and () in graphs.graphs and tuple(spec.aux_layers) in graphs.graphs
+        assert isinstance(spec.policy, BudgetPolicy)
         for b in (1, 3, 17, 32):
-            step = decode_step(spec.aux_layers, b)
-            assert graphs.can_run(step)
-            graphed = runner.forward(step)
-            graphed_aux = runner.last_aux_hidden
-            runner.graphs = None
-            eager = runner.forward(step)
-            eager_aux = runner.last_aux_hidden
-            runner.graphs = graphs
+            eager, eager_aux, graphed, graphed_aux = eager_and_graphed(runner, decode_step(spec.aux_layers, b))
             torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
             assert len(graphed_aux) == len(eager_aux) == len(spec.aux_layers)
             for g, e in zip(graphed_aux, eager_aux):
@@ -55,6 +92,48 @@ def test_graphed_aux_step_equals_eager(folder):
             runner.forward(decode_step(spec.aux_layers, 2))             # the clone survives the next replay
             for g, e in zip(graphed_aux, eager_aux):
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+        graphs.capture_verify(spec.aux_layers, {(4, 3), (16, 8), (32, 4)})
+        for b, n in ((3, 3), (4, 3), (11, 8), (16, 8), (29, 4)):
+            eager, eager_aux, graphed, graphed_aux = eager_and_graphed(runner, verify_step(spec.aux_layers, b, n, b))
+            assert graphed.shape == (b * (1 + n), llm.engine.model_config.vocab_size)
+            torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+            for g, e in zip(graphed_aux, eager_aux):
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+        assert not graphs.can_run(verify_step(spec.aux_layers, 4, 5))
+    finally:
+        llm.shutdown()
+
+
+def test_aux_decode_graph_gives_the_plain_graphs_logits_in_bf16(folder):
+    """The aux variant only adds outputs: in bf16 its logits are the plain graph's, bit for bit, so a speculative
+    engine's plain steps cannot flip a near-tie that the plain engine decides the other way."""
+    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **{**KW, "dtype": "bfloat16"})
+    try:
+        runner, spec = llm.engine.runner, llm.engine.speculator
+        for b in (1, 5, 32):
+            step = decode_step(spec.aux_layers, b)
+            with_aux = runner.forward(step).clone()
+            plain = runner.forward(replace(step, aux_layers=()))
+            assert torch.equal(with_aux, plain), (b, (with_aux - plain).abs().max().item())
+    finally:
+        llm.shutdown()
+
+
+def test_startup_profile_keeps_the_verify_graphs_its_policy_uses(folder):
+    llm = LLM(model=folder, speculative="chain", allow_random_drafter=True, **KW)
+    try:
+        runner, spec = llm.engine.runner, llm.engine.speculator
+        policy, graphs = spec.policy, runner.graphs
+        assert isinstance(policy, BudgetPolicy)
+        assert {(1, 16), (1, 8), (1, 4)} <= set(policy.verify.graphed)      # timed through graphs
+        want = {(graphs.bucket(b), spec.budget(b)) for b in range(1, 33) if spec.budget(b)}
+        want = {(s, n) for s, n in want if s * (1 + n) <= 512}
+        assert graphs.verify_shapes(spec.aux_layers) == want
+        report = policy.describe()
+        assert set(report["by_batch"]) == {f"b{b}" for b in policy.verify.batch_sizes}
+        assert all(row["reason"] for row in report["by_batch"].values())
+        spec.use_policy(FixedBudgetPolicy(8), runner)
+        assert graphs.verify_shapes(spec.aux_layers) == {(s, 8) for s in graphs.sizes if s * 9 <= 512}
     finally:
         llm.shutdown()
 
@@ -67,26 +146,33 @@ def test_speculative_engine_on_cuda_matches_plain(folder):
     plain = LLM(model=folder, **KW)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     plain.shutdown()
-    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **KW)
-    try:
-        graphs, box = llm.engine.runner.graphs, [0]
-        run = graphs.run
-
-        def counted(step):
-            box[0] += bool(step.aux_layers)
-            return run(step)
-        graphs.run = counted
-        llm.engine.speculator.policy = KneeBudgetPolicy(16)    # 32 running: plain (graphed); below 26: trees
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        stats = llm.engine.get_stats()
-        assert box[0] > 0 and stats.spec_drafts > 0
-        assert llm.engine.block_manager.num_used_blocks == 0
-    finally:
-        llm.shutdown()
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
 
     @torch.no_grad()
     def last(ids):
         return hf(torch.tensor([ids], device="cuda")).logits[0, -1]
-    assert len(compare_greedy(prompts, got, want, last, tie=1e-3)) <= 2
+
+    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **KW)
+    try:
+        engine, graphs, kinds = llm.engine, llm.engine.runner.graphs, {}
+        run = graphs.run
+
+        def counted(step):
+            key = "verify" if step.tree_mask is not None else ("aux" if step.aux_layers else "plain")
+            kinds[key] = kinds.get(key, 0) + 1
+            return run(step)
+        graphs.run = counted
+        engine.speculator.use_policy(KneeBudgetPolicy(16), engine.runner)   # 32 running: plain; below 26: trees
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert kinds.get("aux", 0) > 0 and kinds.get("verify", 0) > 0 and engine.get_stats().spec_drafts > 0
+        assert engine.block_manager.num_used_blocks == 0
+        assert len(compare_greedy(prompts, got, want, last, tie=1e-3)) <= 2
+
+        engine.speculator.use_policy(FixedBudgetPolicy(0), engine.runner)   # never speculates: a plain engine
+        kinds.clear()
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert set(kinds) == {"plain"} and not engine.speculator.contexts.lengths
+        compare_greedy(prompts, again, want, last, tie=1e-3)      # prefix-cache hits now: near-ties may flip
+    finally:
+        llm.shutdown()
