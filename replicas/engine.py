@@ -127,7 +127,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.elastic is not None:
             self.elastic.before_schedule()      # reclaim before a step whose prefill needs the reserve
-        spec = self.speculator if self.speculation else None
+        spec = self.speculator if self.speculation and self.speculator.enabled else None
         self.scheduler.spec_budget = spec.budget(len(self.scheduler.running)) if spec is not None else 0
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -152,12 +152,12 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         aux = self.runner.last_aux_hidden if spec is not None else None
+        if aux:
+            spec.observe_step(batch, step, aux)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if batch.num_drafts(i):
                 continue
             before = seq.num_computed_tokens
-            if aux:
-                spec.observe_rows(seq, aux, int(step.query_start_loc[i]), before, n)
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, before)
         if drafted:
