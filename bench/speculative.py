@@ -3,7 +3,8 @@ plain decoding, the GPU tree builder's cost per round, and its bit-identity with
 
     python -m bench.speculative [--model PATH] [--drafter DIR] [--prompts bench/data/sharegpt_heldout.json]
         [--num-prompts 32] [--num-prompts-b1 8] [--max-tokens 128] [--modes chain,ddtree,dominotree]
-        [--batches 1,8,32] [--temps 0,1] [--device auto] [--out bench/results/speculative.json]
+        [--batches 1,8,32] [--temps 0,1] [--device auto] [--force-budget 16] [--tie 0.25]
+        [--out bench/results/speculative.json]
     python -m bench.speculative --export-prompts bench/data/sharegpt_heldout.json --split heldout --limit 256
 
 Workload: ShareGPT first human turns (held-out split), chat-formatted with one user turn like the drafter's
@@ -15,6 +16,16 @@ then each speculative mode; every engine warms up first. Throughput = generated 
 
 tau = tokens per verify round, bonus included = 1 + spec_accepted_tokens / spec_drafts: `spec_drafts` counts one
 per sequence per round, `spec_accepted_tokens` the accepted draft tokens (the bonus token is not among them).
+Each mode's `engine.speculative.<mode>.policy` is what its budget policy saw at start-up (verify and draft ms by
+batch size and nodes, graphed or not) and why it chose each budget; tau is null when it chose 0 at every batch
+size run. `--force-budget N` then reruns every (temperature, batch) with N nodes at every batch size, bypassing
+the policy: `<mode>.forced` holds that tau, acceptance by position and speed, apart from the policy-driven figures.
+
+Greedy agreement (`outputs_equal_plain`, T=0): the share of requests whose tokens equal plain decoding's, or
+first differ where plain's top-2 logits are within --tie of each other (the near-tie rule of
+tests/support/greedy.py; the gap is read from a plain engine's logprobs at that point). In a closed loop one
+near-tie flip changes a request's length, hence later batches and their numerics, so exact equality
+(`outputs_identical_plain`) can fall far below 1 with no bug. At T>0 both are exact equality.
 """
 from __future__ import annotations
 
@@ -58,6 +69,8 @@ class BenchConfig:
     spec_budget: int = 16
     tree_rounds: int = 200                    # timed tree builds per mode (CUDA)
     builder_cases: int = 1000                 # random reference-vs-GPU builder cases (CUDA)
+    force_budget: Optional[int] = None        # also run every mode with this budget at every batch size
+    tie: Optional[float] = None               # near-tie logit gap; None: 1e-3 for float32 engines, else 0.25
     out: str = "bench/results/speculative.json"
 
 
@@ -68,7 +81,8 @@ class Run:
     seconds: float
     decode_tok_s_per_request: float
     steps: int = 0
-    graph_steps: int = 0                      # steps whose forward replayed a CUDA graph
+    graph_steps: int = 0                      # steps whose forward replayed a CUDA graph (decode or verify)
+    verify_graph_steps: int = 0               # ... a verify graph
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
@@ -85,7 +99,7 @@ class Run:
     def summary(self) -> dict:
         out = dict(tok_s=self.tok_s, output_tokens=self.output_tokens, requests=len(self.outputs),
                    seconds=self.seconds, decode_tok_s_per_request=self.decode_tok_s_per_request,
-                   steps=self.steps, graph_steps=self.graph_steps)
+                   steps=self.steps, graph_steps=self.graph_steps, verify_graph_steps=self.verify_graph_steps)
         if self.drafts:
             out.update(tau=1 + self.accepted / self.drafts, rounds=self.drafts, draft_tokens=self.draft_tokens,
                        accepted_tokens=self.accepted)
@@ -126,13 +140,15 @@ def sampling(cfg: BenchConfig, temperature: float, count: int, max_tokens: int) 
 
 
 def count_graph_replays(engine) -> list[int]:
-    """[replays so far]: wraps the runner's decode-graph replay with a counter (the engine keeps none)."""
-    box, graphs = [0], engine.runner.graphs
+    """[replays so far, verify replays so far]: wraps the runner's graph replay with counters (the engine keeps
+    none)."""
+    box, graphs = [0, 0], engine.runner.graphs
     if graphs is not None:
         replay = graphs.run
 
         def counted(step):
             box[0] += 1
+            box[1] += step.tree_mask is not None
             return replay(step)
         graphs.run = counted
     return box
@@ -142,7 +158,7 @@ def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], conc
           replays: list[int]) -> Run:
     """Closed loop: keep `concurrency` requests in the engine until every prompt is done."""
     engine = llm.engine
-    before, replays_before = engine.get_stats(), replays[0]
+    before, replays_before = engine.get_stats(), list(replays)
     index: dict[str, int] = {}
     outputs: list[list[int]] = [[] for _ in prompts]
     queue = list(range(len(prompts)))[::-1]
@@ -173,37 +189,40 @@ def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], conc
     by_pos = [a - (old_pos[d] if d < len(old_pos) else 0) for d, a in enumerate(after.spec_accepted_by_position)]
     delta = lambda name: getattr(after, name) - getattr(before, name)
     return Run(outputs, seconds, decode_tokens / decode_s if decode_s > 0 else 0.0, delta("num_steps"),
-               replays[0] - replays_before, delta("spec_drafts"), delta("spec_draft_tokens"),
-               delta("spec_accepted_tokens"), by_pos)
+               replays[0] - replays_before[0], replays[1] - replays_before[1], delta("spec_drafts"),
+               delta("spec_draft_tokens"), delta("spec_accepted_tokens"), by_pos)
 
 
-def measure(cfg: BenchConfig, mode: str, sets: dict[int, list[list[int]]], warm: list[list[int]]) -> dict:
-    """One engine for `mode` ("plain" or a speculative method): warm-up, then every (temperature, batch) run."""
+def engine_kwargs(cfg: BenchConfig, mode: str) -> dict:
     kw = dict(model=cfg.model, device=cfg.device, seed=cfg.seed, max_num_seqs=max(cfg.batches),
               enable_prefix_caching=False, enforce_eager=False, gpu_memory_utilization=cfg.gpu_memory_utilization)
     if mode != "plain":
         kw.update(speculative=mode, drafter=cfg.drafter, spec_budget=cfg.spec_budget,
                   allow_random_drafter=cfg.allow_random_drafter)
-    llm = LLM(**kw)
+    return kw
+
+
+def measure(cfg: BenchConfig, mode: str, sets: dict[int, list[list[int]]], warm: list[list[int]]) -> dict:
+    """One engine for `mode` ("plain" or a speculative method): warm-up, then every (temperature, batch) run;
+    with --force-budget, every run again with that budget at every batch size."""
+    llm = LLM(**engine_kwargs(cfg, mode))
     try:
         engine = llm.engine
-        result: dict = dict(runs={}, engine=dict(device=str(engine.runner.device),
+        result: dict = dict(runs={}, engine=dict(device=str(engine.runner.device), dtype=str(engine.runner.dtype),
                                                  cuda_graphs=engine.runner.graphs is not None))
         spec, replays = engine.speculator, count_graph_replays(engine)
         if spec is not None:
             result["engine"]["budget_by_batch"] = {f"b{b}": spec.budget(b) for b in cfg.batches}
-        for t in cfg.temps:
-            if warm:
-                drive(llm, warm, sampling(cfg, t, len(warm), min(cfg.max_tokens, 32)),
-                      min(len(warm), max(cfg.batches)), f"warm-{mode}-{temp_key(t)}", replays)
-            for b in cfg.batches:
-                started = time.perf_counter()
-                run = drive(llm, sets[b], sampling(cfg, t, len(sets[b]), cfg.max_tokens), b,
-                            f"{mode}-{temp_key(t)}-b{b}", replays)
-                result["runs"][(t, b)] = run
-                print(f"  {mode:10s} {temp_key(t):4s} b{b:<3d} {run.tok_s:9.1f} tok/s"
-                      + (f"  tau {1 + run.accepted / run.drafts:.2f}" if run.drafts else "")
-                      + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
+            result["engine"]["policy"] = spec.policy.describe() if spec.policy is not None else None
+            result["engine"]["speculator_enabled"] = spec.enabled
+        result["runs"] = measure_runs(cfg, llm, mode, sets, warm, replays)
+        if spec is not None and cfg.force_budget:
+            from speculative.cost_model import FixedBudgetPolicy
+            spec.use_policy(FixedBudgetPolicy(cfg.force_budget), engine.runner)
+            if engine.runner.graphs is not None:
+                result["engine"]["forced_verify_graphs"] = sorted(
+                    f"b{b}n{n}" for b, n in engine.runner.graphs.verify_shapes(spec.aux_layers))
+            result["forced_runs"] = measure_runs(cfg, llm, f"{mode}@{cfg.force_budget}", sets, warm, replays)
         if spec is not None and engine.runner.device.type == "cuda":
             result["tree_build"] = time_tree_build(spec, cfg.spec_budget, cfg.tree_rounds)
         return result
@@ -211,8 +230,27 @@ def measure(cfg: BenchConfig, mode: str, sets: dict[int, list[list[int]]], warm:
         llm.shutdown()
 
 
-def mode_report(cfg: BenchConfig, runs: dict, plain: dict) -> dict:
-    """Per temperature: tau and acceptance per position over all batches, speed ratios against plain decoding."""
+def measure_runs(cfg: BenchConfig, llm: LLM, tag: str, sets: dict[int, list[list[int]]], warm: list[list[int]],
+                 replays: list[int]) -> dict:
+    runs = {}
+    for t in cfg.temps:
+        if warm:
+            drive(llm, warm, sampling(cfg, t, len(warm), min(cfg.max_tokens, 32)),
+                  min(len(warm), max(cfg.batches)), f"warm-{tag}-{temp_key(t)}", replays)
+        for b in cfg.batches:
+            started = time.perf_counter()
+            run = drive(llm, sets[b], sampling(cfg, t, len(sets[b]), cfg.max_tokens), b,
+                        f"{tag}-{temp_key(t)}-b{b}", replays)
+            runs[(t, b)] = run
+            print(f"  {tag:13s} {temp_key(t):4s} b{b:<3d} {run.tok_s:9.1f} tok/s"
+                  + (f"  tau {1 + run.accepted / run.drafts:.2f}" if run.drafts else "")
+                  + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
+    return runs
+
+
+def mode_report(cfg: BenchConfig, runs: dict, plain: dict, greedy: Optional[dict] = None) -> dict:
+    """Per temperature: tau and acceptance per position over all batches, speed ratios against plain decoding,
+    agreement with plain decoding (greedy: batch -> near-tie verdicts at T=0, from `greedy_agreement`)."""
     report = {}
     for t in cfg.temps:
         mine = [runs[(t, b)] for b in cfg.batches]
@@ -220,14 +258,21 @@ def mode_report(cfg: BenchConfig, runs: dict, plain: dict) -> dict:
         depth = max((len(r.by_position) for r in mine), default=0)
         by_pos = [sum(r.by_position[d] for r in mine if d < len(r.by_position)) for d in range(depth)]
         entry = dict(tau=1 + sum(r.accepted for r in mine) / drafts if drafts else None)
+        if not drafts:
+            entry["tau_null_reason"] = "no verify round ran: the budget was 0 at every batch size run"
         for b in cfg.batches:
             entry[batch_key(b)] = runs[(t, b)].tok_s / plain[(t, b)].tok_s
         if 1 in cfg.batches:
             p = plain[(t, 1)].decode_tok_s_per_request
             entry["decode_speedup_b1"] = runs[(t, 1)].decode_tok_s_per_request / p if p else None
         entry["accept_rate_by_position"] = [c / drafts for c in by_pos] if drafts else []
-        entry["outputs_equal_plain"] = {f"b{b}": _same_share(runs[(t, b)].outputs, plain[(t, b)].outputs)
-                                        for b in cfg.batches}
+        exact = {f"b{b}": _same_share(runs[(t, b)].outputs, plain[(t, b)].outputs) for b in cfg.batches}
+        entry["outputs_identical_plain"] = exact
+        if t == 0 and greedy is not None:
+            entry["outputs_equal_plain"] = {f"b{b}": greedy[b]["share"] for b in cfg.batches}
+            entry["greedy_flips"] = {f"b{b}": greedy[b]["flips"] for b in cfg.batches}
+        else:
+            entry["outputs_equal_plain"] = exact
         entry["runs"] = {f"b{b}": runs[(t, b)].summary() for b in cfg.batches}
         report[temp_key(t)] = entry
     return report
@@ -235,6 +280,40 @@ def mode_report(cfg: BenchConfig, runs: dict, plain: dict) -> dict:
 
 def _same_share(got: list[list[int]], want: list[list[int]]) -> float:
     return sum(a == w for a, w in zip(got, want)) / len(want)
+
+
+def _first_difference(a: list[int], b: list[int]) -> Optional[int]:
+    k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return k if k is not None or len(a) == len(b) else min(len(a), len(b))
+
+
+def greedy_agreement(cfg: BenchConfig, prompts: dict[int, list[list[int]]], plain: dict[int, list[list[int]]],
+                     others: dict[str, dict[int, list[list[int]]]], tie: float) -> dict[str, dict[int, dict]]:
+    """The near-tie rule (tests/support/greedy.py) for every run against plain greedy: where a request first
+    differs, plain's top-2 logit gap at that point (a plain engine's logprobs, one batched call for all runs);
+    agreeing = identical, or first differing at a gap below `tie`. name -> batch -> {share, flips}."""
+    where = [(name, b, i, k) for name, outs in others.items() for b in cfg.batches
+             for i, (got, want) in enumerate(zip(outs[b], plain[b]))
+             if (k := _first_difference(got, want)) is not None]
+    gaps = []
+    if where:
+        llm = LLM(**{**engine_kwargs(cfg, "plain"), "enforce_eager": True})
+        try:
+            outs = llm.generate([prompts[b][i] + plain[b][i][:k] for _, b, i, k in where],
+                                SamplingParams(temperature=0.0, max_tokens=1, logprobs=2, detokenize=False))
+        finally:
+            llm.shutdown()
+        for o in outs:
+            top = sorted((v.logprob for v in o.outputs[0].logprobs[0].values()), reverse=True)
+            gaps.append(top[0] - top[1])
+    result = {name: {b: dict(share=1.0, flips=[]) for b in cfg.batches} for name in others}
+    for (name, b, i, k), gap in zip(where, gaps):
+        result[name][b]["flips"].append(dict(request=i, position=k, gap=gap, near_tie=gap < tie))
+    for name, by_batch in result.items():
+        for b, verdict in by_batch.items():
+            bad = sum(not f["near_tie"] for f in verdict["flips"])
+            verdict["share"] = 1.0 - bad / len(plain[b])
+    return result
 
 
 @dataclass
@@ -282,6 +361,15 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         _free()
     plain = results["plain"]["runs"]
     cuda = results["plain"]["engine"]["device"].startswith("cuda")
+    tie = cfg.tie if cfg.tie is not None else (1e-3 if results["plain"]["engine"]["dtype"] == "torch.float32"
+                                               else 0.25)
+    greedy = {}
+    if 0.0 in cfg.temps:
+        runs_of = {m: results[m]["runs"] for m in cfg.modes}
+        runs_of.update({f"{m}@forced": results[m]["forced_runs"] for m in cfg.modes if "forced_runs" in results[m]})
+        greedy = greedy_agreement(cfg, sets, {b: plain[(0.0, b)].outputs for b in cfg.batches},
+                                  {name: {b: r[(0.0, b)].outputs for b in cfg.batches} for name, r in runs_of.items()},
+                                  tie)
     report: dict = dict(
         device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
         model=cfg.model or default_model_path(), drafter=drafter,
@@ -291,18 +379,26 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                      requests_per_batch={f"b{b}": n for b, n in counts.items()},
                      mean_prompt_tokens=sum(map(len, eligible[:top])) / top),
         max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos, batches=list(cfg.batches),
-        temperatures={temp_key(t): t for t in cfg.temps},
+        temperatures={temp_key(t): t for t in cfg.temps}, near_tie_logit_gap=tie,
         engine=dict(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
-                    max_num_seqs=max(cfg.batches), spec_budget=cfg.spec_budget, plain=results["plain"]["engine"],
+                    max_num_seqs=max(cfg.batches), spec_budget=cfg.spec_budget, force_budget=cfg.force_budget,
+                    plain=results["plain"]["engine"],
                     speculative={m: results[m]["engine"] for m in cfg.modes},
-                    note="runs[*].graph_steps counts steps that replayed a decode CUDA graph; the graphs take no "
-                         "tree mask and no drafter hidden states, so speculative steps run eagerly"),
+                    note="runs[*].graph_steps counts steps that replayed a CUDA graph (decode or verify), "
+                         "verify_graph_steps those that verified draft trees; policy: what each mode's budget "
+                         "policy measured at start-up and why it chose each budget"),
         plain={temp_key(t): {f"b{b}": plain[(t, b)].summary() for b in cfg.batches} for t in cfg.temps})
     for mode in cfg.modes:
-        report[mode] = mode_report(cfg, results[mode]["runs"], plain)
+        report[mode] = mode_report(cfg, results[mode]["runs"], plain, greedy.get(mode))
+        if "forced_runs" in results[mode]:
+            report[mode]["forced"] = dict(budget=cfg.force_budget, note="budget forced at every batch size, "
+                                          "bypassing the policy", **mode_report(cfg, results[mode]["forced_runs"],
+                                                                               plain, greedy.get(f"{mode}@forced")))
     report.update(tree_sections(cfg, {m: results[m].get("tree_build") for m in cfg.modes}, cuda))
     report["wall_seconds"] = time.perf_counter() - started
     outputs = {(m, t, b): r.outputs for m, res in results.items() for (t, b), r in res["runs"].items()}
+    outputs.update({(f"{m}@forced", t, b): r.outputs for m, res in results.items()
+                    for (t, b), r in res.get("forced_runs", {}).items()})
     return BenchResult(report, sets, outputs)
 
 
@@ -345,12 +441,19 @@ def _free() -> None:
 def format_table(report: dict, cfg: BenchConfig) -> str:
     cols = ["tau"] + [batch_key(b) for b in cfg.batches]
     heads = ["tau"] + [("speedup_b1" if b == 1 else f"ratio_b{b}") for b in cfg.batches]
-    lines = [f"{'mode':12s}{'temp':6s}" + "".join(f"{h:>12s}" for h in heads)]
+    lines = [f"{'mode':14s}{'temp':6s}" + "".join(f"{h:>12s}" for h in heads) + f"{'equal_plain':>14s}  budgets"]
     for mode in cfg.modes:
-        for t in cfg.temps:
-            row = report[mode][temp_key(t)]
-            lines.append(f"{mode:12s}{temp_key(t):6s}" + "".join(
-                f"{row[c]:12.2f}" if row.get(c) is not None else f"{'-':>12s}" for c in cols))
+        budgets = report["engine"]["speculative"][mode].get("budget_by_batch", {})
+        rows = [(mode, report[mode], "/".join(str(v) for v in budgets.values()))]
+        if "forced" in report[mode]:
+            rows.append((f"{mode}@{cfg.force_budget}", report[mode]["forced"], "forced"))
+        for name, rep, note in rows:
+            for t in cfg.temps:
+                row = rep[temp_key(t)]
+                equal = min(row["outputs_equal_plain"].values(), default=None)
+                lines.append(f"{name:14s}{temp_key(t):6s}" + "".join(
+                    f"{row[c]:12.2f}" if row.get(c) is not None else f"{'-':>12s}" for c in cols)
+                    + (f"{equal:14.2f}" if equal is not None else f"{'-':>14s}") + f"  {note}")
     return "\n".join(lines)
 
 
@@ -378,6 +481,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--spec-budget", type=int, default=d.spec_budget)
     p.add_argument("--tree-rounds", type=int, default=d.tree_rounds)
     p.add_argument("--builder-cases", type=int, default=d.builder_cases)
+    p.add_argument("--force-budget", type=int, default=d.force_budget,
+                   help="also rerun every mode with this many draft nodes at every batch size (bypasses the policy)")
+    p.add_argument("--tie", type=float, default=d.tie,
+                   help="near-tie logit gap for greedy agreement (default: 1e-3 float32 engines, 0.25 otherwise)")
     p.add_argument("--out", default=d.out)
     p.add_argument("--export-prompts", metavar="PATH", help="write --limit prompts of --split to PATH and exit")
     p.add_argument("--limit", type=int, default=256)
@@ -395,7 +502,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         batches=tuple(sorted({int(b) for b in args.batches.split(",") if b})),
         temps=tuple(float(t) for t in args.temps.split(",") if t), device=args.device, seed=args.seed,
         warmup=args.warmup, ignore_eos=args.ignore_eos, gpu_memory_utilization=args.gpu_memory_utilization,
-        spec_budget=args.spec_budget, tree_rounds=args.tree_rounds, builder_cases=args.builder_cases, out=args.out)
+        spec_budget=args.spec_budget, tree_rounds=args.tree_rounds, builder_cases=args.builder_cases,
+        force_budget=args.force_budget or None, tie=args.tie, out=args.out)
 
 
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:

@@ -1,6 +1,8 @@
 """bench.speculative on CPU with a tiny random checkpoint and a random drafter: the JSON it writes has every key
-the GPU run fills, tau agrees with the engine counters, and at T=0 every speculative mode emits plain greedy's
-tokens (near-tie rule). The CUDA-only parts (tree build time, builder identity) are null with a reason."""
+the GPU run fills (the policy each mode saw, the forced-budget runs beside the policy-driven ones), tau agrees with
+the engine counters, and at T=0 every speculative mode emits plain greedy's tokens (near-tie rule), as the
+bench's own agreement figure says. The CUDA-only parts (tree build time, builder identity) are null with a
+reason."""
 import json
 
 import pytest
@@ -27,7 +29,7 @@ def bench(tmp_path_factory):
     out = tmp / "speculative.json"
     result = main(["--model", folder, "--allow-random-drafter", "--prompts", str(prompts), "--num-prompts", "2",
                    "--num-prompts-b1", "2", "--max-tokens", "8", "--batches", "1,2", "--temps", "0",
-                   "--device", "cpu", "--warmup", "1", "--ignore-eos", "--out", str(out)])
+                   "--device", "cpu", "--warmup", "1", "--ignore-eos", "--force-budget", "3", "--out", str(out)])
     return folder, result, json.loads(out.read_text())
 
 
@@ -57,6 +59,13 @@ def test_json_has_every_key(bench):
         assert rounds > 0 and entry["tau"] == pytest.approx(1 + accepted / rounds)
         assert sum(entry["accept_rate_by_position"]) == pytest.approx(entry["tau"] - 1)
         assert report["engine"]["speculative"][mode]["budget_by_batch"]["b1"] > 0
+        assert report["engine"]["speculative"][mode]["policy"]["kind"] == "knee"      # CPU: no start-up profile
+        assert entry["outputs_equal_plain"] == {"b1": 1.0, "b2": 1.0}
+        assert set(entry["greedy_flips"]) == {"b1", "b2"} and set(entry["outputs_identical_plain"]) == {"b1", "b2"}
+        forced = report[mode]["forced"]
+        assert forced["budget"] == 3 and forced["t0"]["tau"] >= 1
+        assert not any(forced["t0"]["accept_rate_by_position"][3:]) and forced["t0"]["throughput_ratio_b2"] > 0
+        assert forced["t0"]["runs"]["b2"]["draft_tokens"] <= 3 * forced["t0"]["runs"]["b2"]["rounds"]
 
 
 def test_greedy_speculative_outputs_equal_plain(bench):
@@ -72,6 +81,7 @@ def test_greedy_speculative_outputs_equal_plain(bench):
         assert all(len(w) == 8 for w in want)
         for mode in MODES:
             compare_greedy(result.prompts[b], result.outputs[(mode, 0.0, b)], want, last_logits)
+            compare_greedy(result.prompts[b], result.outputs[(f"{mode}@forced", 0.0, b)], want, last_logits)
     # the plain greedy stream itself is the HF model's greedy stream (so the check above means something)
     compare_greedy(result.prompts[1], result.outputs[("plain", 0.0, 1)],
                    [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8
@@ -106,3 +116,23 @@ def test_export_prompts(tmp_path):
     assert main(["--export-prompts", str(path), "--split", "heldout", "--limit", "3"]) is None
     prompts = json.loads(path.read_text())
     assert len(prompts) == 3 and all(isinstance(p, str) and p.strip() for p in prompts)
+
+
+def test_greedy_agreement_reads_plains_top2_gap_where_outputs_part(bench):
+    from bench.speculative import BenchConfig, greedy_agreement
+    folder, result, _ = bench
+    prompts, want = result.prompts[2], result.outputs[("plain", 0.0, 2)]
+    got = [list(want[0]), list(want[1])]
+    got[0][3] = (got[0][3] + 1) % 300                                  # request 0 parts from plain at token 3
+    cfg = BenchConfig(model=folder, device="cpu", batches=(2,))
+    verdict = greedy_agreement(cfg, {2: prompts}, {2: want}, {"x": {2: got}, "same": {2: want}}, tie=1e-3)
+    assert verdict["same"][2] == dict(share=1.0, flips=[])
+    (flip,) = verdict["x"][2]["flips"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        top2 = hf(torch.tensor([prompts[0] + want[0][:3]])).logits[0, -1].topk(2).values
+    assert flip["request"] == 0 and flip["position"] == 3
+    assert flip["gap"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-4)
+    assert verdict["x"][2]["share"] == (1.0 if flip["near_tie"] else 0.5) and flip["near_tie"] == (flip["gap"] < 1e-3)
+    loose = greedy_agreement(cfg, {2: prompts}, {2: want}, {"x": {2: got}}, tie=1e9)
+    assert loose["x"][2]["share"] == 1.0 and loose["x"][2]["flips"][0]["near_tie"]

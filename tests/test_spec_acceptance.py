@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from speculative.acceptance import accept, target_choices, walk
-from speculative.cost_model import AcceptanceProfile, BudgetPolicy, VerifyProfile, choose_budget
+from speculative.cost_model import (AcceptanceProfile, BudgetPolicy, FixedBudgetPolicy, KneeBudgetPolicy,
+                                    VerifyProfile, choose_budget)
 from speculative.tree import DraftTree
 
 
@@ -176,3 +177,22 @@ def test_interpolation_limits_and_memory_cap():
     assert AcceptanceProfile.from_rounds({16: [2, 4, 3], 32: []}).accepted == {16: 3.0}
     with pytest.raises(ValueError):
         VerifyProfile({1: {16: 1.0}})
+
+
+def test_policy_reports_what_it_saw_and_why_and_its_largest_budget():
+    policy = BudgetPolicy(VERIFY, ACCEPT)
+    assert policy.top_budget == 16
+    report = policy.describe()
+    assert report["kind"] == "measured" and set(report["by_batch"]) == {"b1", "b8", "b64"}
+    one, sixty_four = report["by_batch"]["b1"], report["by_batch"]["b64"]
+    assert one["budget"] == 16 and one["reason"].startswith("16 nodes")
+    assert one["plain_ms"] == pytest.approx(10) and one["draft_ms"] == pytest.approx(2)
+    assert one["verify_ms"] == {"16": pytest.approx(11), "32": pytest.approx(13)}
+    assert one["round_ms_per_token"]["16"] == pytest.approx(13 / 4)
+    assert sixty_four["budget"] == 0 and sixty_four["reason"].startswith("plain 30.000 ms/token beats")
+    never = BudgetPolicy(VERIFY, AcceptanceProfile({16: 0.0}))
+    assert never.top_budget == 0 and all(never.budget(b) == 0 for b in (1, 8, 64))
+    capped = BudgetPolicy(VERIFY, ACCEPT, vocab_size=49152, max_logits_bytes=10 * 49152 * 4)
+    assert "memory cap" in capped.describe()["by_batch"]["b8"]["reason"]
+    assert KneeBudgetPolicy(16).top_budget == 16 and KneeBudgetPolicy(16, knee_tokens=4).top_budget == 0
+    assert FixedBudgetPolicy(5).budget(1000) == 5 and FixedBudgetPolicy(0).top_budget == 0

@@ -132,3 +132,53 @@ def test_graph_tree_builder_with_shared_gates_builds_the_engines_tree():
     for a, b in zip((want.tokens, want.parents, want.depths, want.valid), (got.tokens, got.parents, got.depths,
                                                                           got.valid)):
         assert torch.equal(a, b)
+
+
+def context_of(spec, seq_id, truth_rows):
+    """The cached context of one sequence against a one-shot recompute from its (position -> hidden) rows."""
+    positions = spec.contexts.positions(seq_id)
+    assert positions == sorted(truth_rows)
+    ctx = spec.contexts.gather([seq_id])
+    ref = full_context(spec, truth_rows, positions)
+    for layer in range(CFG.num_layers):
+        torch.testing.assert_close(ctx.keys[layer][0, :len(positions)], ref.keys[layer][0], rtol=1e-5, atol=1e-5)
+
+
+def test_deferred_rows_of_a_forgotten_sequence_are_dropped_and_the_bound_flushes():
+    spec = make_speculator(seed=6)
+    spec._pending.max_held_rows = 8
+    g = torch.Generator().manual_seed(7)
+    one = [torch.randn(6, CFG.hidden_size, generator=g) for _ in CFG.target_layer_ids]
+    two = [torch.randn(4, CFG.hidden_size, generator=g) for _ in CFG.target_layer_ids]
+    row = lambda aux, r: torch.cat([aux[k][r] for k in spec._aux_order])
+    spec.observe_rows(SimpleNamespace(seq_id=7), one, 0, 0, 3)
+    spec.observe_rows(SimpleNamespace(seq_id=8), one, 3, 0, 3)
+    assert not spec.contexts.lengths and spec._pending                # deferred: nothing projected yet
+    spec.forget(SimpleNamespace(seq_id=7))
+    spec.observe_rows(SimpleNamespace(seq_id=7), two, 1, 0, 2)         # the id again (the profile reuses ids)
+    assert not spec._pending                                          # 6 + 4 held rows passed the bound of 8
+    context_of(spec, 7, {0: row(two, 1), 1: row(two, 2)})
+    context_of(spec, 8, {p: row(one, 3 + p) for p in range(3)})
+
+
+def test_observe_step_takes_the_plain_rows_of_a_mixed_step():
+    spec = make_speculator(seed=8)
+    g = torch.Generator().manual_seed(9)
+    aux = [torch.randn(7, CFG.hidden_size, generator=g) for _ in CFG.target_layer_ids]
+    row = lambda r: torch.cat([aux[k][r] for k in spec._aux_order])
+    seqs = [SimpleNamespace(seq_id=i) for i in (3, 4, 5)]
+    # sequence 3: a 2-token chunk at 5, 6; sequence 4 verifies a 3-node tree (rows 2..5); sequence 5 decodes at 9
+    batch = SimpleNamespace(seqs=seqs, drafts=[0, 3, 0])
+    step = SimpleNamespace(query_start_loc=np.asarray([0, 2, 6, 7], np.int32), num_tokens=7,
+                           positions=np.asarray([5, 6, 10, 11, 11, 12, 9]))
+    spec.observe_step(batch, step, aux)
+    spec.flush()
+    context_of(spec, 3, {5: row(0), 6: row(1)})
+    context_of(spec, 5, {9: row(6)})
+    assert spec.contexts.length(4) == 0
+    decode = SimpleNamespace(query_start_loc=np.arange(4, dtype=np.int32), num_tokens=3,
+                             positions=np.asarray([7, 11, 10]))
+    spec.observe_step(SimpleNamespace(seqs=seqs, drafts=[0, 0, 0]), decode, [a[:3] for a in aux])
+    spec.flush()
+    context_of(spec, 3, {5: row(0), 6: row(1), 7: row(0)})
+    context_of(spec, 4, {11: row(1)})
