@@ -210,6 +210,9 @@ def measure(cfg: BenchConfig, mode: str, sets: dict[int, list[list[int]]], warm:
         engine = llm.engine
         result: dict = dict(runs={}, engine=dict(device=str(engine.runner.device), dtype=str(engine.runner.dtype),
                                                  cuda_graphs=engine.runner.graphs is not None))
+        table = engine.runner.gemm_table or {}
+        result["engine"]["gemm_table"] = {f"{n}x{k}": {str(m): str(c) for m, c in sorted(by_m.items())}
+                                          for (n, k), by_m in sorted(table.items())}
         spec, replays = engine.speculator, count_graph_replays(engine)
         if spec is not None:
             result["engine"]["budget_by_batch"] = {f"b{b}": spec.budget(b) for b in cfg.batches}
@@ -388,7 +391,9 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                          "verify_graph_steps those that verified draft trees; policy: what each mode's budget "
                          "policy measured at start-up and why it chose each budget"),
         plain={temp_key(t): {f"b{b}": plain[(t, b)].summary() for b in cfg.batches} for t in cfg.temps})
-    for mode in cfg.modes:
+    for mode in cfg.modes:       # start-up GEMM choices are timed: engines may decode with different kernels
+        report["engine"]["speculative"][mode]["same_gemm_choices_as_plain"] = \
+            results[mode]["engine"]["gemm_table"] == results["plain"]["engine"]["gemm_table"]
         report[mode] = mode_report(cfg, results[mode]["runs"], plain, greedy.get(mode))
         if "forced_runs" in results[mode]:
             report[mode]["forced"] = dict(budget=cfg.force_budget, note="budget forced at every batch size, "

@@ -48,6 +48,9 @@ class _TokenBuffers:
 
 
 class DecodeGraphs:
+    """The runner's step graphs: decode graphs per bucket (and aux-layer tuple), and a speculative engine's verify
+    graphs per (bucket, nodes)."""
+
     def __init__(self, model, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int,
                  max_model_len: int):
         self.model, self.device = model, device

@@ -139,7 +139,7 @@ def keep_verify_graphs(runner, speculator) -> None:
     if graphs is None:
         return
     want = set()
-    for b in range(1, runner.config.max_num_seqs + 1):
+    for b in range(1, min(runner.config.max_num_seqs, graphs.sizes[-1]) + 1):
         n = speculator.budget(b) if policy is not None else 0
         if n:
             want.add((graphs.bucket(b), n))

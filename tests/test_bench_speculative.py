@@ -60,6 +60,7 @@ def test_json_has_every_key(bench):
         assert sum(entry["accept_rate_by_position"]) == pytest.approx(entry["tau"] - 1)
         assert report["engine"]["speculative"][mode]["budget_by_batch"]["b1"] > 0
         assert report["engine"]["speculative"][mode]["policy"]["kind"] == "knee"      # CPU: no start-up profile
+        assert report["engine"]["speculative"][mode]["same_gemm_choices_as_plain"] is True
         assert entry["outputs_equal_plain"] == {"b1": 1.0, "b2": 1.0}
         assert set(entry["greedy_flips"]) == {"b1", "b2"} and set(entry["outputs_identical_plain"]) == {"b1", "b2"}
         forced = report[mode]["forced"]
