@@ -131,15 +131,12 @@ class Speculator:
         `aux` (the runner's `last_aux_hidden`), enter the drafter context when a round needs it."""
         counts = np.diff(step.query_start_loc)
         seq_ids = np.fromiter((s.seq_id for s in batch.seqs), np.int64, len(batch.seqs))
-        if not any(batch.drafts):
-            if step.num_tokens == len(seq_ids):                  # a decode step: row i is sequence i
-                self.observe(aux, None, seq_ids, step.positions)
-                return
-            plain = np.ones(len(seq_ids), dtype=bool)
-        else:
-            plain = np.asarray(batch.drafts) == 0
-        rows = np.flatnonzero(np.repeat(plain, counts))
-        self.observe(aux, rows, np.repeat(seq_ids, counts)[rows], step.positions[rows])
+        if any(batch.drafts):
+            rows = np.flatnonzero(np.repeat(np.asarray(batch.drafts) == 0, counts))
+            self.observe(aux, rows, np.repeat(seq_ids, counts)[rows], step.positions[rows])
+        else:                                                    # every row: decodes and prefill chunks
+            ids = seq_ids if step.num_tokens == len(seq_ids) else np.repeat(seq_ids, counts)
+            self.observe(aux, None, ids, step.positions)
 
     def observe(self, aux: list[Tensor], rows: Optional[np.ndarray], seq_ids: np.ndarray,
                 positions: np.ndarray) -> None:
