@@ -198,12 +198,14 @@ class OpenAIIngress:
         return self._model
 
     async def _respond(self, jobs: list[GenerationJob], builder: ResponseBuilder, stream: bool):
-        streams = await self._start(jobs, builder)
+        streams, firsts = await self._start(jobs, builder)
         if stream:
-            return StreamingResponse(self._sse(streams, builder), media_type="text/event-stream",
+            return StreamingResponse(self._sse(streams, firsts, builder), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         done = False
         try:
+            for i, first in enumerate(firsts):
+                builder.add(i, first.deltas)
             async for job_index, deltas in _merge(streams):
                 builder.add(job_index, deltas)
             done = True
@@ -212,7 +214,8 @@ class OpenAIIngress:
                 _cancel_all(streams)
         return JSONResponse(builder.final())
 
-    async def _start(self, jobs: list[GenerationJob], builder: ResponseBuilder) -> list[DeploymentResponseGenerator]:
+    async def _start(self, jobs: list[GenerationJob],
+                     builder: ResponseBuilder) -> tuple[list[DeploymentResponseGenerator], list[StreamStart]]:
         """Submit every job and wait for each first frame, turning refusals into OpenAIErrors."""
         streams = [self.replicas.options(stream=True).generate.remote(job) for job in jobs]
         try:
@@ -226,13 +229,17 @@ class OpenAIIngress:
                 raise OpenAIError(first.status, first.message, first.param, first.code)
             assert isinstance(first, StreamStart), f"unexpected first frame {type(first).__name__}"
             builder.start(i, first)
-        return streams
+        return streams, firsts
 
-    async def _sse(self, streams: list[DeploymentResponseGenerator], builder: ResponseBuilder) -> AsyncIterator[str]:
+    async def _sse(self, streams: list[DeploymentResponseGenerator], firsts: list[StreamStart],
+                   builder: ResponseBuilder) -> AsyncIterator[str]:
         done = False
         try:
             for chunk in builder.opening_chunks():
                 yield _sse(chunk)
+            for i, first in enumerate(firsts):
+                for chunk in builder.add(i, first.deltas):
+                    yield _sse(chunk)
             async for job_index, deltas in _merge(streams):
                 for chunk in builder.add(job_index, deltas):
                     yield _sse(chunk)

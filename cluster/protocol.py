@@ -5,7 +5,7 @@ checked by `SamplingParams` and by `sampling_params()`, so a type error is a 422
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
@@ -170,9 +170,10 @@ class GenerationJob:
 
 @dataclass
 class StreamStart:
-    """First frame of every successful generation stream."""
+    """First frame of every successful generation stream; it carries the first tokens (one message, not two)."""
     replica_id: str
     prompt_tokens: int
+    deltas: list["ChoiceDelta"] = field(default_factory=list)
 
 
 @dataclass

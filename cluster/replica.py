@@ -30,6 +30,8 @@ from replicas.stats import EngineStats
 logger = logging.getLogger("tidal.replica")
 
 RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
+# What one stream item costs the replica -> ingress -> proxy path, i.e. a budget of ~3,300 items/s per replica.
+STREAM_ITEM_SECONDS = 0.0003
 METRICS_PERIOD_S = 1.0
 
 
@@ -129,6 +131,7 @@ class LLMReplica:
         if engine_config.tensor_parallel_size > 1:
             self.launcher = RayRankLauncher(engine_config.device == "cuda", cpus_per_rank)
         self.engine = AsyncLLMEngine(engine_config, worker_launcher=self.launcher)
+        self._streams = 0                    # generate() calls in flight
         self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id)
         if self.metrics.recorder is not None:
             self.metrics.start()
@@ -141,16 +144,22 @@ class LLMReplica:
         stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id)
         started = False
         reported: set[int] = set()
+        self._streams += 1
         try:
-            # One item per batch of engine outputs: each item is a Ray message to the ingress, so under load the
-            # outputs that queued up while the last one was sent travel together.
+            # One item per batch of engine outputs: each item is a Ray message to the ingress, so the outputs that
+            # queued up while the last one was sent travel together. Ray does not push back on a fast producer, so
+            # under load each stream also waits its share of the replica's item budget before taking the next
+            # batch: at 64 streams ~19 ms, the engine's steps meanwhile arriving as one item.
             async for outs in stream:
+                deltas = _merge([d for out in outs for d in _deltas(out, reported)])
                 if not started:
                     started = True
-                    yield StreamStart(self.replica_id, len(outs[0].prompt_token_ids))
-                deltas = _merge([d for out in outs for d in _deltas(out, reported)])
-                if deltas:
+                    yield StreamStart(self.replica_id, len(outs[0].prompt_token_ids), deltas)
+                elif deltas:
                     yield deltas
+                pace = (self._streams - 1) * STREAM_ITEM_SECONDS
+                if pace > 0:
+                    await asyncio.sleep(pace)
         except Exception as e:
             if started:
                 raise
@@ -161,6 +170,7 @@ class LLMReplica:
             else:
                 raise
         finally:
+            self._streams -= 1
             await stream.aclose()
 
     @staticmethod
