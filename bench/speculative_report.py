@@ -1,0 +1,165 @@
+"""bench.speculative's report: what one run measured (`Run`), the JSON report assembled from every engine's runs
+(speed ratios, tau, acceptance by position, agreement with plain decoding, the tree builder sections) and the
+summary table printed at the end."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from replicas.loaders.default_model import default_model_path
+from bench.tree_builder import builder_identity
+
+if TYPE_CHECKING:
+    from bench.speculative import BenchConfig
+
+
+@dataclass
+class Run:
+    """One (engine, temperature, batch) measurement; the spec_* fields are the engine counters' increase."""
+    outputs: list[list[int]]
+    seconds: float
+    decode_tok_s_per_request: float
+    steps: int = 0
+    graph_steps: int = 0                      # steps whose forward replayed a CUDA graph (decode or verify)
+    verify_graph_steps: int = 0               # ... a verify graph
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    by_position: list[int] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def summary(self) -> dict:
+        out = dict(tok_s=self.tok_s, output_tokens=self.output_tokens, requests=len(self.outputs),
+                   seconds=self.seconds, decode_tok_s_per_request=self.decode_tok_s_per_request,
+                   steps=self.steps, graph_steps=self.graph_steps, verify_graph_steps=self.verify_graph_steps)
+        if self.drafts:
+            out.update(tau=1 + self.accepted / self.drafts, rounds=self.drafts, draft_tokens=self.draft_tokens,
+                       accepted_tokens=self.accepted)
+        return out
+
+
+def temp_key(t: float) -> str:
+    return f"t{t:g}"
+
+
+def batch_key(b: int) -> str:
+    return "speedup_b1" if b == 1 else f"throughput_ratio_b{b}"
+
+
+def mode_report(cfg: BenchConfig, runs: dict, plain: dict, greedy: Optional[dict] = None) -> dict:
+    """Per temperature: tau and acceptance per position over all batches, speed ratios against plain decoding,
+    agreement with plain decoding (greedy: batch -> near-tie verdicts at T=0, from `greedy_agreement`)."""
+    report = {}
+    for t in cfg.temps:
+        mine = [runs[(t, b)] for b in cfg.batches]
+        drafts = sum(r.drafts for r in mine)
+        depth = max((len(r.by_position) for r in mine), default=0)
+        by_pos = [sum(r.by_position[d] for r in mine if d < len(r.by_position)) for d in range(depth)]
+        entry = dict(tau=1 + sum(r.accepted for r in mine) / drafts if drafts else None)
+        if not drafts:
+            entry["tau_null_reason"] = "no verify round ran: the budget was 0 at every batch size run"
+        for b in cfg.batches:
+            entry[batch_key(b)] = runs[(t, b)].tok_s / plain[(t, b)].tok_s
+        if 1 in cfg.batches:
+            p = plain[(t, 1)].decode_tok_s_per_request
+            entry["decode_speedup_b1"] = runs[(t, 1)].decode_tok_s_per_request / p if p else None
+        entry["accept_rate_by_position"] = [c / drafts for c in by_pos] if drafts else []
+        exact = {f"b{b}": _same_share(runs[(t, b)].outputs, plain[(t, b)].outputs) for b in cfg.batches}
+        entry["outputs_identical_plain"] = exact
+        if t == 0 and greedy is not None:
+            entry["outputs_equal_plain"] = {f"b{b}": greedy[b]["share"] for b in cfg.batches}
+            entry["greedy_flips"] = {f"b{b}": greedy[b]["flips"] for b in cfg.batches}
+        else:
+            entry["outputs_equal_plain"] = exact
+        entry["runs"] = {f"b{b}": runs[(t, b)].summary() for b in cfg.batches}
+        report[temp_key(t)] = entry
+    return report
+
+
+def _same_share(got: list[list[int]], want: list[list[int]]) -> float:
+    return sum(a == w for a, w in zip(got, want)) / len(want)
+
+
+def build_report(cfg: BenchConfig, results: dict, greedy: dict, drafter: Optional[str], tie: float, cuda: bool,
+                 prompts: dict, warm_requests: int) -> dict:
+    """The JSON report but its wall_seconds and config: the set-up, each engine's `measure` result, every mode's
+    `mode_report` against plain decoding, and the tree sections."""
+    plain = results["plain"]["runs"]
+    report: dict = dict(
+        device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+        model=cfg.model or default_model_path(), drafter=drafter,
+        seed=cfg.seed, warmup=dict(requests_per_temperature=warm_requests, max_tokens=min(cfg.max_tokens, 32)),
+        prompts=prompts,
+        max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos, batches=list(cfg.batches),
+        temperatures={temp_key(t): t for t in cfg.temps}, near_tie_logit_gap=tie,
+        engine=dict(gpu_memory_utilization=cfg.gpu_memory_utilization, enable_prefix_caching=False,
+                    max_num_seqs=max(cfg.batches), spec_budget=cfg.spec_budget, force_budget=cfg.force_budget,
+                    plain=results["plain"]["engine"],
+                    speculative={m: results[m]["engine"] for m in cfg.modes},
+                    note="runs[*].graph_steps counts steps that replayed a CUDA graph (decode or verify), "
+                         "verify_graph_steps those that verified draft trees; policy: what each mode's budget "
+                         "policy measured at start-up and why it chose each budget"),
+        plain={temp_key(t): {f"b{b}": plain[(t, b)].summary() for b in cfg.batches} for t in cfg.temps})
+    for mode in cfg.modes:       # start-up GEMM choices are timed: engines may decode with different kernels
+        report["engine"]["speculative"][mode]["same_gemm_choices_as_plain"] = \
+            results[mode]["engine"]["gemm_table"] == results["plain"]["engine"]["gemm_table"]
+        report[mode] = mode_report(cfg, results[mode]["runs"], plain, greedy.get(mode))
+        if "forced_runs" in results[mode]:
+            report[mode]["forced"] = dict(budget=cfg.force_budget, note="budget forced at every batch size, "
+                                          "bypassing the policy", **mode_report(cfg, results[mode]["forced_runs"],
+                                                                               plain, greedy.get(f"{mode}@forced")))
+    report.update(tree_sections(cfg, {m: results[m].get("tree_build") for m in cfg.modes}, cuda))
+    return report
+
+
+def tree_sections(cfg: BenchConfig, builds: dict[str, Optional[dict]], cuda: bool) -> dict:
+    """tree_build_ms_b16 (DominoTree's builder if measured) and the builder identity count; null off CUDA."""
+    out: dict = dict(tree_build_ms_b16=None, tree_build=dict(skipped="needs CUDA"),
+                     builder_bit_identical_cases=None, builder_identity=dict(skipped="needs CUDA"))
+    builds = {m: b for m, b in builds.items() if b is not None}
+    if builds:
+        mode = "dominotree" if "dominotree" in builds else next(iter(builds))
+        out["tree_build_ms_b16"] = builds[mode]["eager_ms"]
+        out["tree_build"] = dict(
+            mode=mode, budget=cfg.spec_budget, batch=1, rounds=cfg.tree_rounds,
+            timer="CUDA events over back-to-back rounds after 20 warm-up rounds",
+            builder="prepare_round + build_frontier, eager: the engine's path (replicas/speculation.py); "
+                    "graph_ms: GraphTreeBuilder replaying the same (the engine does not use it yet)",
+            by_mode=builds)
+    if cuda and cfg.builder_cases > 0:
+        started = time.perf_counter()
+        identity = builder_identity(cfg.builder_cases, "cuda", cfg.seed)
+        identity["seconds"] = time.perf_counter() - started
+        out.update(builder_bit_identical_cases=identity["identical"], builder_identity=identity)
+    elif cuda:
+        out["builder_identity"] = dict(skipped="--builder-cases 0")
+    return out
+
+
+def format_table(report: dict, cfg: BenchConfig) -> str:
+    cols = ["tau"] + [batch_key(b) for b in cfg.batches]
+    heads = ["tau"] + [("speedup_b1" if b == 1 else f"ratio_b{b}") for b in cfg.batches]
+    lines = [f"{'mode':14s}{'temp':6s}" + "".join(f"{h:>12s}" for h in heads) + f"{'equal_plain':>14s}  budgets"]
+    for mode in cfg.modes:
+        budgets = report["engine"]["speculative"][mode].get("budget_by_batch", {})
+        rows = [(mode, report[mode], "/".join(str(v) for v in budgets.values()))]
+        if "forced" in report[mode]:
+            rows.append((f"{mode}@{cfg.force_budget}", report[mode]["forced"], "forced"))
+        for name, rep, note in rows:
+            for t in cfg.temps:
+                row = rep[temp_key(t)]
+                equal = min(row["outputs_equal_plain"].values(), default=None)
+                lines.append(f"{name:14s}{temp_key(t):6s}" + "".join(
+                    f"{row[c]:12.2f}" if row.get(c) is not None else f"{'-':>12s}" for c in cols)
+                    + (f"{equal:14.2f}" if equal is not None else f"{'-':>14s}") + f"  {note}")
+    return "\n".join(lines)
