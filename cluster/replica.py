@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import uuid
 from dataclasses import asdict
@@ -30,8 +31,10 @@ from replicas.stats import EngineStats
 logger = logging.getLogger("tidal.replica")
 
 RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
-# What one stream item costs the replica -> ingress -> proxy path, i.e. a budget of ~3,300 items/s per replica.
-STREAM_ITEM_SECONDS = 0.0003
+# The replica's stream-item budget: each of n streams sends at most one item per (n - 1) x this, so a replica
+# sends ~1,000 items/s however many streams it serves. The H200 run carried ~1,700 items/s (one token each)
+# through ingress and proxy at 64 streams; TIDAL_STREAM_ITEM_MS overrides it (0: no pacing).
+STREAM_ITEM_SECONDS = float(os.environ.get("TIDAL_STREAM_ITEM_MS", "1.0")) / 1e3
 METRICS_PERIOD_S = 1.0
 
 
@@ -149,7 +152,7 @@ class LLMReplica:
             # One item per batch of engine outputs: each item is a Ray message to the ingress, so the outputs that
             # queued up while the last one was sent travel together. Ray does not push back on a fast producer, so
             # under load each stream also waits its share of the replica's item budget before taking the next
-            # batch: at 64 streams ~19 ms, the engine's steps meanwhile arriving as one item.
+            # batch: at 64 streams ~63 ms, the engine's steps meanwhile arriving as one item.
             async for outs in stream:
                 deltas = _merge([d for out in outs for d in _deltas(out, reported)])
                 if not started:

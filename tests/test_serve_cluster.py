@@ -234,6 +234,24 @@ def test_replica_streams_start_then_deltas(replica):
                    for d in mine if d.token_ids)
 
 
+def test_replica_paces_items_under_load_without_losing_tokens(replica):
+    """With many streams in flight each stream waits its share of the item budget, so the engine's steps arrive
+    as fewer, larger items; the tokens and the finish reason are exactly those of an unpaced stream."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = run_job(replica, GenerationJob("pace-alone", params, prompt=[5, 6, 7]))
+    replica._streams += 40                       # as if 40 other streams were being served: ~40 ms per item
+    try:
+        paced = run_job(replica, GenerationJob("pace-loaded", params, prompt=[5, 6, 7]))
+    finally:
+        replica._streams -= 40
+
+    def tokens(frames):
+        ds = list(frames[0].deltas) + [d for f in frames[1:] for d in f]
+        return [t for d in ds for t in d.token_ids], [d.finish_reason for d in ds if d.finish_reason]
+    assert tokens(paced) == tokens(alone) and len(tokens(alone)[0]) == 24
+    assert len(paced) < len(alone), (len(paced), len(alone))
+
+
 def test_replica_refuses_bad_prompts_with_a_failure_frame(replica):
     too_long = run_job(replica, GenerationJob("unit-2", SamplingParams(max_tokens=1), prompt=[5] * 600))
     assert len(too_long) == 1 and isinstance(too_long[0], StreamFailure)
