@@ -103,8 +103,17 @@ def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_
 
 def _draft_seconds(speculator, batch: int, nodes: int, aux, context_len: int, device, warmup: int,
                    iters: int) -> float:
-    """A round's drafting for `batch` stand-in sequences with a context_len-token context each: the context
-    update of the previous round (root + PRIOR_ACCEPTED tokens), the draft block, the tree and its host copy."""
+    round_, done = draft_round(speculator, batch, nodes, aux, context_len)
+    try:
+        return _seconds(round_, device, warmup, iters)
+    finally:
+        done()
+
+
+def draft_round(speculator, batch: int, nodes: int, aux, context_len: int):
+    """(round, cleanup): a round's drafting for `batch` stand-in sequences with a context_len-token context each:
+    the context update of the previous round (root + PRIOR_ACCEPTED tokens), the draft block, the tree and its
+    host copy; cleanup forgets the stand-ins."""
     seqs = [SimpleNamespace(seq_id=-1 - i, last_token_id=0, num_tokens=context_len + 1) for i in range(batch)]
     ids = np.repeat(np.asarray([s.seq_id for s in seqs], np.int64), context_len)
     speculator.observe(aux, np.tile(np.arange(context_len), batch), ids, np.tile(np.arange(context_len), batch))
@@ -119,11 +128,11 @@ def _draft_seconds(speculator, batch: int, nodes: int, aux, context_len: int, de
         for s in seqs:
             s.num_tokens += per_round
         speculator.propose(seqs, nodes)
-    try:
-        return _seconds(round_, device, warmup, iters)
-    finally:
+
+    def done():
         for s in seqs:
             speculator.forget(s)
+    return round_, done
 
 
 def _candidate_shapes(runner, budgets: Sequence[int]) -> set[tuple[int, int]]:
