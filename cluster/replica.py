@@ -161,7 +161,7 @@ class LLMReplica:
                 elif deltas:
                     yield deltas
                 pace = (self._streams - 1) * STREAM_ITEM_SECONDS
-                if pace > 0:
+                if pace > 0 and not outs[-1].finished:        # a finished stream ends at once
                     await asyncio.sleep(pace)
         except Exception as e:
             if started:
