@@ -7,8 +7,8 @@ and the tree's host copy (the `draft:*` labels in replicas/speculation.py `Specu
 Per mode: an engine with that method (the bundled drafter for SmolLM2 unless --drafter), `--batch` stand-in
 sequences with a `--context`-token drafter context, driven by the start-up profile's own round
 (replicas/spec_profile.draft_round: the previous round's context update, the draft block, the tree, its host
-copy). 5 warm-up rounds; then `--rounds` rounds timed with the device synchronised around each (wall ms per
-round); then the same rounds under torch.profiler: per label the host time per round and, on CUDA, the device
+copy). 5 warm-up rounds; then `--rounds` rounds timed with the device synchronised around each (median
+wall ms per round); then the same rounds under torch.profiler: per label the host time per round and, on CUDA, the device
 time of the kernels launched inside it, and the ten kernels with the most device time. Seed 0.
 """
 from __future__ import annotations
@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from typing import Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from replicas import LLM
-from replicas.spec_profile import draft_round
+from replicas.spec_profile import draft_round, median_seconds
 
 LABELS = ("draft:context", "draft:drafter", "draft:tree", "draft:host_copy")
 
@@ -49,15 +47,7 @@ def profile_mode(mode: str, args: argparse.Namespace) -> dict:
         round_, done = draft_round(spec, args.batch, args.nodes, aux, args.context)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         try:
-            for _ in range(5):
-                round_()
-            wall = []
-            for _ in range(args.rounds):
-                sync()
-                t0 = time.perf_counter()
-                round_()
-                sync()
-                wall.append(time.perf_counter() - t0)
+            wall = median_seconds(round_, runner.device, 5, args.rounds)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=activities) as prof:
                 for _ in range(args.rounds):
@@ -70,7 +60,7 @@ def profile_mode(mode: str, args: argparse.Namespace) -> dict:
                           "device_ms": _device_us(e) / 1e3 / args.rounds} for e in rows if e.key in LABELS}
         kernels = sorted((e for e in rows if e.key not in LABELS and _self_device_us(e) > 0),
                          key=_self_device_us, reverse=True)[:10]
-        return {"wall_ms_per_round": {"median": statistics.median(wall) * 1e3, "min": min(wall) * 1e3},
+        return {"wall_ms_per_round": wall * 1e3,
                 "labels": {k: labels.get(k) for k in LABELS},
                 "top_kernels": [{"name": e.key[:120], "device_ms_per_round": _self_device_us(e) / 1e3 / args.rounds,
                                  "calls_per_round": e.count / args.rounds} for e in kernels],
@@ -86,7 +76,7 @@ def report(res: dict) -> None:
     for mode, r in res["modes"].items():
         cells = "".join(f"{v['host_ms']:>12.3f}/{v['device_ms']:<11.3f}" if v else f"{'-':>24}"
                         for v in r["labels"].values())
-        print(f"{mode:<12}{r['wall_ms_per_round']['median']:>9.3f}{cells}")
+        print(f"{mode:<12}{r['wall_ms_per_round']:>9.3f}{cells}")
     for mode, r in res["modes"].items():
         print(f"{mode}: top kernels (device ms per round, calls per round)")
         for k in r["top_kernels"]:

@@ -98,15 +98,12 @@ def time_pool(num_layers: int, reserve_bytes_per_layer: int, release_after_map: 
 def time_one_range(nbytes: int, reps: int = 30) -> dict:
     """The driver's floor for the same bytes in ONE handle and ONE mapping (what a block-major layout, all
     layers' reserve contiguous, would pay): create + map + set access, then unmap (handle released at map)."""
-    from memory.vmm import _check, _device_prop, cu
+    from memory.vmm import _check, _device_prop, access_desc, cu
     index = torch.cuda.current_device()
     gran = allocation_granularity(index)
     nbytes = nbytes // gran * gran
     prop = _device_prop(index)
-    desc = cu.CUmemAccessDesc()
-    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    desc.location.id = index
-    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    desc = access_desc(index)
     torch.cuda.synchronize()
     va = int(_check(cu.cuMemAddressReserve(nbytes, gran, 0, 0), "cuMemAddressReserve"))
     commit, decommit = [], []
@@ -132,14 +129,11 @@ def time_remap(nbytes: int, reps: int = 30) -> dict:
     """Map + set access / unmap of ONE handle created once and kept: the driver cost without creating or
     releasing physical memory. Set against time_one_range it splits commit into page-table work and what the
     driver does to fresh physical memory (creation, scrubbing)."""
-    from memory.vmm import _check, _device_prop, cu
+    from memory.vmm import _check, _device_prop, access_desc, cu
     index = torch.cuda.current_device()
     gran = allocation_granularity(index)
     nbytes = nbytes // gran * gran
-    desc = cu.CUmemAccessDesc()
-    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    desc.location.id = index
-    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    desc = access_desc(index)
     torch.cuda.synchronize()
     va = int(_check(cu.cuMemAddressReserve(nbytes, gran, 0, 0), "cuMemAddressReserve"))
     h = _check(cu.cuMemCreate(nbytes, _device_prop(index), 0), "cuMemCreate")

@@ -22,25 +22,12 @@ from typing import Optional
 
 import torch
 
+from bench.roofline import cuda_time_ms
 from speculative.baselines import METHODS, chain_config
 from speculative.drafter import DominoHead, DrafterConfig
 from speculative.tree import DraftTree, TreeConfig, gate_table, prepare_round
 from speculative.tree_gpu import GraphTreeBuilder, build_frontier
 from speculative.tree_reference import build_reference
-
-
-def cuda_ms(fn, rounds: int, warmup: int = 20) -> float:
-    """Mean ms per call over `rounds` back-to-back calls, by CUDA events, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / rounds
 
 
 def same_tree(a: DraftTree, b: DraftTree) -> bool:
@@ -71,9 +58,9 @@ def time_tree_build(spec, budget: int, rounds: int, checks: int = 8) -> dict:
     graphs = GraphTreeBuilder(head, embed, builder.cfg, spec.cfg.block_size, spec.vocab_size, hidden.shape[-1],
                               hidden.dtype, batch_sizes=(1, 4))
     eager = lambda r, h, b: builder.build(prepare_round(head, h, b, r, embed, builder.cfg, gates))
-    out = dict(eager_ms=cuda_ms(lambda: eager(roots, hidden, base), rounds),
-               graph_ms=cuda_ms(lambda: graphs.build(hidden, base, roots), rounds),
-               draft_ms=cuda_ms(draft, rounds), draft_context_tokens=256, tree_config=asdict(builder.cfg))
+    out = dict(eager_ms=cuda_time_ms(lambda: eager(roots, hidden, base), 20, rounds),
+               graph_ms=cuda_time_ms(lambda: graphs.build(hidden, base, roots), 20, rounds),
+               draft_ms=cuda_time_ms(draft, 20, rounds), draft_context_tokens=256, tree_config=asdict(builder.cfg))
     same = 0
     for seed in range(1, checks + 1):
         r, h, b, _ = drafted_block(spec, 4, 64 * seed, seed)
@@ -177,7 +164,7 @@ def graph_round_ms(batches=(1, 8, 32), budget: int = 16, rounds: int = 200) -> d
         _, hidden, base, roots, _ = smollm2_inputs(b, seed=b)
         graph = lambda: builder.build(hidden, base, roots)
         eager = lambda: build_frontier(prepare_round(head, hidden, base, roots, embed, cfg, builder.tables.gates), cfg)
-        out[f"b{b}"] = dict(graph_ms=cuda_ms(graph, rounds), eager_ms=cuda_ms(eager, max(10, rounds // 10)),
+        out[f"b{b}"] = dict(graph_ms=cuda_time_ms(graph, 20, rounds), eager_ms=cuda_time_ms(eager, 20, max(10, rounds // 10)),
                             kernels_per_round=kernels_per_call(graph),
                             identical_to_reference=same_tree(
                                 build_reference(prepare_round(head, hidden, base, roots, embed, cfg), cfg), graph()))

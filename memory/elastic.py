@@ -190,18 +190,14 @@ def attach_elastic(engine, mode: str, policy: Optional[ElasticPolicy] = None, **
     wires it natively). The caller then runs `elastic.before_schedule()` before each `engine.step()`."""
     runner = engine.runner
     assert runner.world_size == 1 and not engine.has_unfinished
-    aux = runner.graph_aux_layers
-    verify = runner.graphs.verify_shapes(aux) if runner.graphs is not None and aux else set()
-    runner.graphs = None
+    verify = runner.release_graphs()
     runner.release_kv_caches()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
         torch.cuda.empty_cache()
     rank = build_rank_kv(runner, mode, **build_kw)
-    runner.capture_graphs()
+    runner.capture_graphs(verify)
     if runner.graphs is not None:
-        if verify:                                   # the speculator's verify graphs, over the new KV tensors
-            runner.graphs.capture_verify(aux, verify)
         rank.before_unmap.append(runner.graphs.block_tables.zero_)
     bm = BlockManager(rank.num_base, rank.num_reserve, engine.config.block_size,
                       engine.config.enable_prefix_caching)

@@ -109,6 +109,15 @@ def _device_prop(device_index: int):
     return prop
 
 
+def access_desc(device_index: int):
+    """Read-write access for the device: what cuMemSetAccess takes for every mapping here."""
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device_index
+    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
 class VmmKVPool:
     """Range tensors [num_base + num_reserve, g, *block_shape] of g layers each (memory/kv_layout.py), each
     over a fixed virtual range; `caches` are the per-layer views. `layout.block_bytes` is one block of a
@@ -130,11 +139,7 @@ class VmmKVPool:
         self._ctx = _check(cu.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         self._make_current()
         self._prop = _device_prop(index)
-        desc = cu.CUmemAccessDesc()
-        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = index
-        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = [desc]
+        self._access = [access_desc(index)]
         self._ranges: list[int] = []
         self._reserve_ptrs: list = []
         self._reserve_handles: list = []

@@ -283,6 +283,11 @@ class LLMEngine:
                 "elastic": self.elastic.mode if self.elastic is not None else "off",
                 "speculation": self.speculation}
 
+    def drain_finished_timings(self) -> list[RequestTimings]:
+        """The timings of the requests finished since the last call (the metrics recorder's per-request samples)."""
+        out, self.finished_timings = self.finished_timings, []
+        return out
+
     def get_stats(self) -> EngineStats:
         """A snapshot: the engine's counters with the current gauges (readers never see it move)."""
         s = replace(self.stats, spec_accepted_by_position=list(self.stats.spec_accepted_by_position))

@@ -95,7 +95,7 @@ class EngineCore:
             try:
                 if method not in CALLS:
                     raise ValueError(f"unknown engine call {method!r}")
-                value = self.call(method, kwargs)
+                value = getattr(self.engine, method)(**kwargs)
                 self.outputs.send(("reply", call_id, True, value))
             except Exception as e:  # noqa: BLE001 - a failed call is the caller's error, the loop goes on
                 self.outputs.send(("reply", call_id, False, portable_error(e)))
@@ -103,12 +103,6 @@ class EngineCore:
             self.stopping = True
         else:
             raise ValueError(f"unknown engine core message {kind!r}")
-
-    def call(self, method: str, kwargs: dict):
-        if method == "drain_finished_timings":
-            out, self.engine.finished_timings = self.engine.finished_timings, []
-            return out
-        return getattr(self.engine, method)(**kwargs)
 
     def compact(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:

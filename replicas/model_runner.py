@@ -7,6 +7,7 @@ and rank 0 gets the full-vocabulary logits of the sampling rows.
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -168,8 +169,9 @@ class ModelRunner:
         """Lend or reclaim the elastic reserve on this rank (rank 0 sends it to all ranks with call_all)."""
         return self.kv.apply(action)
 
-    def capture_graphs(self) -> None:
-        """Once, after the KV tensors exist (their addresses never change afterwards)."""
+    def capture_graphs(self, verify_shapes: Iterable[tuple[int, int]] = ()) -> None:
+        """After the KV tensors exist (their addresses never change afterwards); again after `release_graphs`
+        when they were rebuilt, with the verify graphs the released ones had."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             return
         from replicas.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -183,6 +185,15 @@ class ModelRunner:
         self.graphs.capture()
         if self.graph_aux_layers:
             self.graphs.capture(self.graph_aux_layers)
+            if verify_shapes:
+                self.graphs.capture_verify(self.graph_aux_layers, verify_shapes)
+
+    def release_graphs(self) -> set[tuple[int, int]]:
+        """Drop the graphs (before the KV tensors they read are rebuilt); returns their verify shapes."""
+        aux = self.graph_aux_layers
+        shapes = self.graphs.verify_shapes(aux) if self.graphs is not None and aux else set()
+        self.graphs = None
+        return shapes
 
     def capture_aux_graphs(self, aux_layers: tuple[int, ...]) -> None:
         """Decode graphs that also output the residual stream after `aux_layers` (kept across recaptures)."""

@@ -51,7 +51,7 @@ def verify_step(runner, batch: int, nodes: int, context_len: int, aux_layers: tu
         tree_mask=tree, aux_layers=aux_layers)
 
 
-def _seconds(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -87,7 +87,7 @@ def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_
             step = verify_step(runner, b, n, context_len, speculator.aux_layers)
             if runner.graphs is not None and runner.graphs.can_run(step):
                 graphed.add((b, n))
-            row[n] = _seconds(lambda: runner.forward(step).argmax(-1), runner.device, warmup, iters)
+            row[n] = median_seconds(lambda: runner.forward(step).argmax(-1), runner.device, warmup, iters)
         if 0 not in row:
             continue
         step_seconds[b] = row
@@ -105,7 +105,7 @@ def _draft_seconds(speculator, batch: int, nodes: int, aux, context_len: int, de
                    iters: int) -> float:
     round_, done = draft_round(speculator, batch, nodes, aux, context_len)
     try:
-        return _seconds(round_, device, warmup, iters)
+        return median_seconds(round_, device, warmup, iters)
     finally:
         done()
 

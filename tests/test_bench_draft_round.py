@@ -10,6 +10,6 @@ def test_draft_round_reports_each_part(tmp_path):
                 "--modes", "dominotree,chain", "--out", str(tmp_path / "r.json")])
     assert set(res["modes"]) == {"dominotree", "chain"}
     for r in res["modes"].values():
-        assert r["wall_ms_per_round"]["median"] > 0
+        assert r["wall_ms_per_round"] > 0
         assert all(r["labels"][k] is not None and r["labels"][k]["host_ms"] > 0 for k in LABELS)
     assert (tmp_path / "r.json").exists()

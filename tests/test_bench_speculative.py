@@ -100,7 +100,7 @@ def test_tree_build_timing_path_runs_on_cpu(bench, monkeypatch, mode):
     """The CUDA timing routine with its timer stubbed: it drafts with the engine's drafter, builds with the
     engine's builder, and its real rounds match the reference builder, eager and through GraphTreeBuilder."""
     from replicas import LLM
-    monkeypatch.setattr(tree_bench, "cuda_ms", lambda fn, rounds, warmup=20: (fn(), 0.0)[1])
+    monkeypatch.setattr(tree_bench, "cuda_time_ms", lambda fn, warmup=3, iters=10: (fn(), 0.0)[1])
     llm = LLM(model=bench[0], device="cpu", speculative=mode, allow_random_drafter=True, max_num_seqs=2)
     try:
         out = time_tree_build(llm.engine.speculator, 16, rounds=1, checks=1)

@@ -13,9 +13,9 @@ from checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
 from replicas.attention.context import forward_context
 from replicas.cuda_graphs import DecodeGraphs, GraphEntry
-from replicas.step_input import StepInput
 from speculative.cost_model import FixedBudgetPolicy, KneeBudgetPolicy
 from support.greedy import compare_greedy
+from support.steps import decode_step, random_verify_step
 
 transformers = pytest.importorskip("transformers")
 ENGINE = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
@@ -64,25 +64,16 @@ def folder(tmp_path_factory):
     return make_tiny_llama(str(tmp_path_factory.mktemp("graphs")), num_attention_heads=4, num_key_value_heads=2)
 
 
-def decode_step(aux_layers, b=3):
-    lens = np.arange(4, 4 + b, dtype=np.int32)
-    blocks = np.arange(1, b + 1, dtype=np.int32)
-    return StepInput(input_ids=np.arange(5, 5 + b, dtype=np.int64), positions=(lens - 1).astype(np.int64),
-                     slot_mapping=(blocks * 16 + lens - 1).astype(np.int64),
-                     query_start_loc=np.arange(b + 1, dtype=np.int32), seq_lens=lens, block_tables=blocks[:, None],
-                     sample_indices=np.arange(b, dtype=np.int64), aux_layers=aux_layers)
-
-
 def test_graphed_aux_step_equals_eager(folder):
     llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **ENGINE)
     try:
         runner, aux_layers = llm.engine.runner, llm.engine.speculator.aux_layers
         for b in (1, 3, 8):
-            step = decode_step(aux_layers, b)
+            step = decode_step(aux_layers, b, first_len=4)
             eager = runner.forward(step)
             eager_aux = [a.clone() for a in runner.last_aux_hidden]
             graphs = install_graphs(llm)
-            assert graphs.can_run(step) and not graphs.can_run(decode_step((0,), b))   # no variant for (0,)
+            assert graphs.can_run(step) and not graphs.can_run(decode_step((0,), b, first_len=4))   # no variant for (0,)
             graphed = runner.forward(step)
             assert graphs.replays == {1: 1}
             torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
@@ -91,37 +82,12 @@ def test_graphed_aux_step_equals_eager(folder):
                 assert g.shape == e.shape == (b, llm.engine.model_config.hidden_size)
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
             kept = [a.clone() for a in runner.last_aux_hidden]
-            runner.forward(decode_step(aux_layers, b))                 # a later replay leaves earlier outputs
+            runner.forward(decode_step(aux_layers, b, first_len=4))                 # a later replay leaves earlier outputs
             for g, e in zip(kept, eager_aux):
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
             runner.graphs = None
     finally:
         llm.shutdown()
-
-
-def verify_step(aux_layers, b, n, seed=0):
-    """b requests verifying random trees of n nodes after prefixes of 3..40 tokens, in their own blocks."""
-    rng = np.random.default_rng(seed)
-    q = 1 + n
-    prefix = rng.integers(3, 40, b)
-    width = -(-int((prefix + q).max()) // 16)
-    tables = (1 + np.arange(b * width, dtype=np.int32)).reshape(b, width)
-    parents = [[-1] + [int(rng.integers(-1, i)) for i in range(n - 1)] for _ in range(b)]
-    masks = np.zeros((b, q, q), dtype=bool)
-    offsets = np.zeros((b, q), dtype=np.int64)
-    for r in range(b):
-        masks[r, :, 0] = True
-        for i, p in enumerate(parents[r]):
-            masks[r, 1 + i, 1 + i] = True
-            if p >= 0:
-                masks[r, 1 + i] |= masks[r, 1 + p]
-            offsets[r, 1 + i] = masks[r, 1 + i].sum() - 1
-    slots = prefix[:, None] + np.arange(q)
-    return StepInput(input_ids=rng.integers(3, 300, b * q), positions=(prefix[:, None] + offsets).ravel(),
-                     slot_mapping=(np.take_along_axis(tables, slots // 16, 1) * 16 + slots % 16).ravel(),
-                     query_start_loc=np.arange(0, b * q + 1, q, dtype=np.int32),
-                     seq_lens=(prefix + q).astype(np.int32), block_tables=tables,
-                     sample_indices=np.arange(b * q, dtype=np.int64), tree_mask=masks, aux_layers=aux_layers)
 
 
 def test_graphed_verify_step_equals_eager(folder):
@@ -132,7 +98,7 @@ def test_graphed_verify_step_equals_eager(folder):
         graphs.capture_verify(aux_layers, {(4, 3), (8, 5)})
         assert graphs.verify_shapes(aux_layers) == {(4, 3), (8, 5)}
         for b, n in ((3, 3), (4, 3), (7, 5)):
-            step = verify_step(aux_layers, b, n, seed=b)
+            step = random_verify_step(aux_layers, b, n, seed=b)
             assert graphs.can_run(step)
             runner.graphs = None
             eager = runner.forward(step)
@@ -144,13 +110,13 @@ def test_graphed_verify_step_equals_eager(folder):
                 assert g.shape == e.shape == (b * (1 + n), llm.engine.model_config.hidden_size)
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
         assert graphs.replays == {4: 2, 6: 1}
-        assert not graphs.can_run(verify_step(aux_layers, 3, 4))                 # no graph for 4 nodes
-        assert not graphs.can_run(replace(verify_step(aux_layers, 3, 3), aux_layers=()))   # nor without aux
-        mixed = verify_step(aux_layers, 2, 3)
+        assert not graphs.can_run(random_verify_step(aux_layers, 3, 4))                 # no graph for 4 nodes
+        assert not graphs.can_run(replace(random_verify_step(aux_layers, 3, 3), aux_layers=()))   # nor without aux
+        mixed = random_verify_step(aux_layers, 2, 3)
         mixed.query_start_loc = np.asarray([0, 2, 8], dtype=np.int32)          # a 2-token chunk + a tree row
         assert not graphs.can_run(mixed)
         graphs.drop_verify(aux_layers, {(8, 5)})
-        assert graphs.verify_shapes(aux_layers) == {(8, 5)} and not graphs.can_run(verify_step(aux_layers, 3, 3))
+        assert graphs.verify_shapes(aux_layers) == {(8, 5)} and not graphs.can_run(random_verify_step(aux_layers, 3, 3))
     finally:
         llm.shutdown()
 

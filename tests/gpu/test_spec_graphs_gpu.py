@@ -5,15 +5,14 @@ trees come from GraphTreeBuilder, greedy output equals plain greedy (near-tie ru
 steps graphed, and a policy that never speculates leaves a plain engine (plain graphs, no aux, no context)."""
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
 from checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
-from replicas.step_input import StepInput
 from speculative.cost_model import BudgetPolicy, FixedBudgetPolicy, KneeBudgetPolicy
 from support.greedy import compare_greedy
+from support.steps import decode_step, random_verify_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 KW = dict(dtype="float32", max_num_seqs=32, num_kv_blocks=1024, block_size=16)
@@ -23,43 +22,6 @@ KW = dict(dtype="float32", max_num_seqs=32, num_kv_blocks=1024, block_size=16)
 def folder(tmp_path_factory):
     return make_tiny_llama(str(tmp_path_factory.mktemp("spec-graphs")), num_attention_heads=8, num_key_value_heads=2,
                            hidden_size=256, head_dim=32, max_position_embeddings=1024)
-
-
-def decode_step(aux_layers, b):
-    """b requests of 20 .. 19+b tokens, each in its own ceil(len / 16) blocks (every block its table reads)."""
-    lens = np.arange(20, 20 + b, dtype=np.int32)
-    width = -(-int(lens.max()) // 16)
-    blocks = np.arange(1, b * width + 1, dtype=np.int32).reshape(b, width)
-    last = lens - 1
-    return StepInput(input_ids=np.arange(5, 5 + b, dtype=np.int64), positions=last.astype(np.int64),
-                     slot_mapping=(blocks[np.arange(b), last // 16] * 16 + last % 16).astype(np.int64),
-                     query_start_loc=np.arange(b + 1, dtype=np.int32), seq_lens=lens, block_tables=blocks,
-                     sample_indices=np.arange(b, dtype=np.int64), aux_layers=aux_layers)
-
-
-def verify_step(aux_layers, b, n, seed=0):
-    """b requests verifying random trees of n nodes after prefixes of 3..60 tokens, in their own blocks."""
-    rng = np.random.default_rng(seed)
-    q = 1 + n
-    prefix = rng.integers(3, 60, b)
-    width = -(-int((prefix + q).max()) // 16)
-    tables = (1 + np.arange(b * width, dtype=np.int32)).reshape(b, width)
-    masks = np.zeros((b, q, q), dtype=bool)
-    offsets = np.zeros((b, q), dtype=np.int64)
-    masks[:, :, 0] = True
-    for r in range(b):
-        for i in range(n):
-            p = int(rng.integers(-1, i)) if i else -1
-            masks[r, 1 + i, 1 + i] = True
-            if p >= 0:
-                masks[r, 1 + i] |= masks[r, 1 + p]
-            offsets[r, 1 + i] = masks[r, 1 + i].sum() - 1
-    slots = prefix[:, None] + np.arange(q)
-    return StepInput(input_ids=rng.integers(3, 300, b * q), positions=(prefix[:, None] + offsets).ravel(),
-                     slot_mapping=(np.take_along_axis(tables, slots // 16, 1) * 16 + slots % 16).ravel(),
-                     query_start_loc=np.arange(0, b * q + 1, q, dtype=np.int32),
-                     seq_lens=(prefix + q).astype(np.int32), block_tables=tables,
-                     sample_indices=np.arange(b * q, dtype=np.int64), tree_mask=masks, aux_layers=aux_layers)
 
 
 def eager_and_graphed(runner, step):
@@ -94,12 +56,12 @@ def test_graphed_aux_and_verify_steps_equal_eager(folder):
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
         graphs.capture_verify(spec.aux_layers, {(4, 3), (16, 8), (32, 4)})
         for b, n in ((3, 3), (4, 3), (11, 8), (16, 8), (29, 4)):
-            eager, eager_aux, graphed, graphed_aux = eager_and_graphed(runner, verify_step(spec.aux_layers, b, n, b))
+            eager, eager_aux, graphed, graphed_aux = eager_and_graphed(runner, random_verify_step(spec.aux_layers, b, n, b, max_prefix=60))
             assert graphed.shape == (b * (1 + n), llm.engine.model_config.vocab_size)
             torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
             for g, e in zip(graphed_aux, eager_aux):
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
-        assert not graphs.can_run(verify_step(spec.aux_layers, 4, 5))
+        assert not graphs.can_run(random_verify_step(spec.aux_layers, 4, 5))
     finally:
         llm.shutdown()
 
