@@ -119,18 +119,19 @@ class PagedDraftContext:
         flat[:, :, slots] = torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(ctx.keys, ctx.values)])
 
     def gather(self, seq_ids: list[int]) -> DraftContext:
-        """The batch's contexts, right-padded to the longest, as the drafter's attention reads them."""
+        """The batch's contexts as the drafter's attention reads them, right-padded to a power-of-two number of
+        pages. The bucket matters on CUDA: every new attention shape costs a fresh kernel plan (~60 ms on the
+        H200 when it was the exact longest length, i.e. every round), buckets keep the shapes to a handful."""
         lengths = [self.length(s) for s in seq_ids]
-        t = max(lengths, default=0)
-        table = np.zeros((len(seq_ids), 1 + max(1, -(-t // self.page_size))), dtype=np.int64)
+        width = 1 << max(0, -(-max(lengths, default=0) // self.page_size) - 1).bit_length()
+        table = np.zeros((len(seq_ids), 1 + width), dtype=np.int64)
         table[:, 0] = lengths                                   # one upload: lengths, then page tables
-        width = table.shape[1] - 1
         for b, s in enumerate(seq_ids):
             pages = self.pages.get(s, [])[:width]
             table[b, 1:1 + len(pages)] = pages
         packed = to_device(table, self.device)
-        g = self.pool[:, :, packed[:, 1:]].flatten(3, 4)[:, :, :, :t]    # [L, 2, B, T, kv_heads, head_dim]
-        valid = torch.arange(t, device=self.device)[None] < packed[:, :1]
+        g = self.pool[:, :, packed[:, 1:]].flatten(3, 4)              # [L, 2, B, T, kv_heads, head_dim]
+        valid = torch.arange(width * self.page_size, device=self.device)[None] < packed[:, :1]
         return DraftContext(list(g[:, 0].unbind(0)), list(g[:, 1].unbind(0)), valid)
 
     def forget(self, seq_id: int) -> None:
