@@ -1,0 +1,208 @@
+"""The drafter pass (`DominoDrafter.draft`) replayed from CUDA graphs, one per (padded batch, context length) key.
+
+Eager, the pass is ~100 small kernels: launch-bound at small batches (4.7 ms on the H200 for a 1-2 layer drafter
+at batch 1, against a ~1.2 ms target decode step). A key's graph is captured on its first use: the batch is
+padded to the next power of two (at most `max_batch`) and the context length is already bucketed by
+`PagedDraftContext.gather` (a power-of-two number of pages), so keys come from a small set.
+
+A run copies the real rows into the key's static inputs and resets the padded lanes to root 0, position 0 and an
+all-invalid context. The block's own tokens are always visible, so a padded lane has no all-masked softmax row,
+and every op of the pass is row-independent: padded lanes never change the real ones (`draft_padded` is the
+same computation, eager, so CPU tests can check it). The padded lanes' context keys/values are left as they are.
+
+Memory: every key carves its static context keys/values and its outputs from the start of two shared arenas
+(`Arena`), so keys overlap in memory. That is safe because runs never overlap and each run rewrites everything it
+reads (real rows) or masks it (padded lanes). Graph intermediates go to one shared graph pool, freed after each
+capture for the next. So the memory held is about twice the largest key's inputs and outputs plus the largest
+pass's intermediates, whatever the number of keys. A run's outputs are views of the output arena: valid until
+the next `run` of any key (`Speculator.propose` consumes them before its next round).
+
+Eager instead of a graph: a batch above `max_batch`, a key whose padded context (batch x length) needs more than
+`max_input_bytes` of keys/values (the pass is no longer launch-bound there), and new keys once `max_graphs` are
+captured (captured graphs are never evicted).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from speculative.drafter import DominoDrafter, DraftBlock, DraftContext
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "TIDAL_DRAFTER_GRAPHS"       # "0": the drafter pass runs eagerly
+WARMUP_RUNS = 2                           # before a capture, on a side stream (lazy cuBLAS / attention set-up)
+
+
+def graphs_enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def padded_batch(batch: int, max_batch: int = 256) -> Optional[int]:
+    """The next power of two >= batch, or None above `max_batch`."""
+    lanes = 1 << max(0, batch - 1).bit_length()
+    return lanes if 0 < batch and lanes <= max_batch else None
+
+
+class Arena:
+    """Flat buffers (one per dtype) that keys carve their tensors from, each from offset 0. A buffer too small is
+    replaced by one at least twice its size; keys carved earlier keep theirs, so all generations together hold at
+    most twice the newest."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[torch.dtype, Tensor] = {}
+
+    def take(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[Tensor]:
+        sizes = [math.prod(s) for s in shapes]
+        need = sum(sizes)
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < need:
+            size = max(need, 2 * buf.numel()) if buf is not None else need
+            buf = self.buffers[dtype] = torch.zeros(size, dtype=dtype, device=self.device)
+        return [part.view(shape) for part, shape in zip(buf[:need].split(sizes), shapes)]
+
+
+class PaddedInputs:
+    """The static inputs of one key: roots and positions [lanes], per-layer context keys/values
+    [lanes, length, kv_heads, head_dim], valid [lanes, length]."""
+
+    def __init__(self, lanes: int, length: int, keys: list[Tensor], values: list[Tensor]):
+        device = keys[0].device
+        self.roots = torch.zeros(lanes, dtype=torch.long, device=device)
+        self.positions = torch.zeros(lanes, dtype=torch.long, device=device)
+        self.valid = torch.zeros(lanes, length, dtype=torch.bool, device=device)
+        self.context = DraftContext(keys, values, self.valid)
+
+    @staticmethod
+    def allocate(lanes: int, like: DraftContext, arena: Optional[Arena] = None) -> "PaddedInputs":
+        """Inputs for `lanes` rows of contexts shaped like `like` (keys/values from `arena`: fresh by default)."""
+        k = like.keys[0]
+        layers = len(like.keys)
+        kv = (arena or Arena(k.device)).take([(lanes, like.length, *k.shape[2:])] * (2 * layers), k.dtype)
+        return PaddedInputs(lanes, like.length, kv[:layers], kv[layers:])
+
+    @property
+    def lanes(self) -> int:
+        return self.roots.shape[0]
+
+    def fill(self, roots: Tensor, root_pos: Tensor, ctx: DraftContext) -> None:
+        """Rows [:B] from the batch; lanes B.. get root 0, position 0 and no visible context."""
+        b = roots.shape[0]
+        self.roots[:b].copy_(roots)
+        self.positions[:b].copy_(root_pos)
+        self.valid[:b].copy_(ctx.valid)
+        if b < self.lanes:
+            self.roots[b:].zero_()
+            self.positions[b:].zero_()
+            self.valid[b:].zero_()
+        for dst, src in zip(self.context.keys + self.context.values, ctx.keys + ctx.values):
+            dst[:b].copy_(src)
+
+    def draft(self, drafter: DominoDrafter, embed_weight: Tensor, lm_head_weight: Tensor) -> DraftBlock:
+        """`drafter.draft` over every lane: what a key's graph captures."""
+        return drafter.draft(self.roots, self.positions, self.context, embed_weight, lm_head_weight)
+
+
+def draft_padded(drafter: DominoDrafter, roots: Tensor, root_pos: Tensor, ctx: DraftContext, embed_weight: Tensor,
+                 lm_head_weight: Tensor, inputs: Optional[PaddedInputs] = None) -> DraftBlock:
+    """Eager `drafter.draft` with the batch padded to `inputs`' lanes (default: fresh inputs of the next power of
+    two), rows [:B]: the computation a key's graph replays."""
+    b = roots.shape[0]
+    if inputs is None:
+        inputs = PaddedInputs.allocate(1 << max(0, b - 1).bit_length(), ctx)
+    inputs.fill(roots, root_pos, ctx)
+    block = inputs.draft(drafter, embed_weight, lm_head_weight)
+    return DraftBlock(block.hidden[:b], block.base_logits[:b])
+
+
+class KeyGraph:
+    """One key's static inputs and outputs and its CUDA graph (None: `replay` reruns the pass eagerly on the
+    static buffers, as the graph would; for CPU tests)."""
+
+    def __init__(self, inputs: PaddedInputs, hidden: Tensor, base_logits: Tensor):
+        self.inputs, self.hidden, self.base_logits = inputs, hidden, base_logits
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.replays = 0
+
+    def body(self, drafter: DominoDrafter, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+        block = self.inputs.draft(drafter, embed_weight, lm_head_weight)
+        # checked while capturing (host only): copy_ would silently cast or broadcast
+        assert block.hidden.dtype == self.hidden.dtype and block.hidden.shape == self.hidden.shape
+        assert block.base_logits.dtype == self.base_logits.dtype and block.base_logits.shape == self.base_logits.shape
+        self.hidden.copy_(block.hidden)
+        self.base_logits.copy_(block.base_logits)
+
+
+class DrafterGraphs:
+    def __init__(self, drafter: DominoDrafter, embed_weight: Tensor, lm_head_weight: Tensor, max_graphs: int = 32,
+                 max_batch: int = 256, max_input_bytes: int = 256 << 20, use_graphs: Optional[bool] = None):
+        """use_graphs: capture CUDA graphs (default: on CUDA); False keeps the keys, buffers and limits but replays
+        eagerly (CPU tests)."""
+        self.drafter, self.embed_weight, self.lm_head_weight = drafter, embed_weight, lm_head_weight
+        self.device = embed_weight.device
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        self.max_graphs, self.max_batch = max_graphs, max_batch
+        cfg = drafter.cfg
+        lane_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * embed_weight.element_size()
+        self.max_lane_tokens = max_input_bytes // lane_bytes        # padded batch x context length
+        self.inputs_arena, self.outputs_arena = Arena(self.device), Arena(self.device)
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graphs: dict[tuple[int, int], KeyGraph] = {}
+        self.eager_runs = 0
+
+    def key(self, batch: int, length: int) -> Optional[tuple[int, int]]:
+        """(padded batch, context length), or None where the pass runs eagerly whatever is captured."""
+        lanes = padded_batch(batch, self.max_batch)
+        if lanes is None or lanes * length > self.max_lane_tokens:
+            return None
+        return lanes, length
+
+    @torch.inference_mode()
+    def run(self, roots: Tensor, root_pos: Tensor, ctx: DraftContext) -> DraftBlock:
+        """`drafter.draft(roots, root_pos, ctx, ...)`. From a graph, the block is a view of static outputs that
+        the next `run` overwrites."""
+        b = roots.shape[0]
+        key = self.key(b, ctx.length)
+        entry = self.graphs.get(key) if key is not None else None
+        if entry is None and key is not None and len(self.graphs) < self.max_graphs:
+            entry = self.graphs[key] = self._capture(key, ctx)
+            if len(self.graphs) == self.max_graphs:
+                log.info("drafter graphs: %d keys captured; new keys run eagerly", self.max_graphs)
+        if entry is None:
+            self.eager_runs += 1
+            return self.drafter.draft(roots, root_pos, ctx, self.embed_weight, self.lm_head_weight)
+        entry.inputs.fill(roots, root_pos, ctx)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            entry.body(self.drafter, self.embed_weight, self.lm_head_weight)
+        entry.replays += 1
+        return DraftBlock(entry.hidden[:b], entry.base_logits[:b])
+
+    def _capture(self, key: tuple[int, int], like: DraftContext) -> KeyGraph:
+        lanes, _ = key
+        inputs = PaddedInputs.allocate(lanes, like, self.inputs_arena)     # all lanes padding until filled
+        s, vocab = self.drafter.cfg.block_size, self.lm_head_weight.shape[0]
+        outputs = self.outputs_arena.take([(lanes, s, self.drafter.cfg.hidden_size), (lanes, s, vocab)],
+                                          self.drafter.backbone.mask_embedding.dtype)
+        entry = KeyGraph(inputs, *outputs)
+        if not self.use_graphs:
+            return entry
+        args = (self.drafter, self.embed_weight, self.lm_head_weight)
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                entry.body(*args)
+        current.wait_stream(side)
+        entry.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(entry.graph, pool=self.pool):
+            entry.body(*args)
+        return entry
