@@ -28,6 +28,7 @@ from replicas.transfer import to_device
 from speculative.context_cache import PagedDraftContext, PendingObservations
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
+from speculative.drafter_graphs import DrafterGraphs, graphs_enabled
 from speculative.tree import DraftTree, gate_table, prepare_round
 from speculative.tree_gpu import GraphTreeBuilder
 
@@ -55,6 +56,10 @@ class Speculator:
         self.contexts = PagedDraftContext(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, embed_weight.dtype,
                                           embed_weight.device, num_pages=max(64, 2 * max_num_seqs))
         self._pending = PendingObservations(self._aux_order)
+        # CUDA: the drafter pass replays a graph per (batch bucket, context bucket), captured on first use
+        # (TIDAL_DRAFTER_GRAPHS=0: eager); on CPU it is the eager call
+        self.drafter_graphs = DrafterGraphs(self.drafter, embed_weight, lm_head_weight) \
+            if embed_weight.device.type == "cuda" and graphs_enabled() else None
 
     @staticmethod
     def create(config: EngineConfig, model_config: ModelConfig, runner) -> "Speculator":
@@ -188,7 +193,10 @@ class Speculator:
             self.flush()
             context = self.contexts.gather([s.seq_id for s in seqs])
         with record_function("draft:drafter"):
-            block = self.drafter.draft(roots, root_pos, context, self.embed_weight, self.lm_head_weight)
+            if self.drafter_graphs is not None:         # the block is the graph's static output until the next run
+                block = self.drafter_graphs.run(roots, root_pos, context)
+            else:
+                block = self.drafter.draft(roots, root_pos, context, self.embed_weight, self.lm_head_weight)
             base = block.base_logits[..., :self.vocab_size]
         with record_function("draft:tree"):
             if self.embed_weight.device.type == "cuda":
