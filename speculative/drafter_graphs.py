@@ -18,8 +18,10 @@ pass's intermediates, whatever the number of keys. A run's outputs are views of 
 the next `run` of any key (`Speculator.propose` consumes them before its next round).
 
 Eager instead of a graph: a batch above `max_batch`, a key whose padded context (batch x length) needs more than
-`max_input_bytes` of keys/values (the pass is no longer launch-bound there), and new keys once `max_graphs` are
-captured (captured graphs are never evicted).
+`max_input_bytes` of keys/values (a bound on the memory held, which the KV pool was sized without; such passes
+are long enough that launches matter less), and new keys once `max_graphs` are captured (captured graphs are
+never evicted). A capture (first use of a key) synchronises the device and empties the allocator's cache, as
+`torch.cuda.graph` does.
 """
 from __future__ import annotations
 
