@@ -1,4 +1,4 @@
-"""The Serve application: `OpenAIIngress` in front of `num_replicas` `LLMReplica`s.
+"""The Serve application: `num_replicas` `LLMReplica`s, each an engine that serves the OpenAI routes itself.
 
 Usable as a Serve import path: `serve run cluster.app:build_app model=/m.gguf tensor_parallel_size=2`,
 or in a RayService config (`import_path: cluster.app:build_app`, `args: {...}`).
@@ -12,12 +12,14 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
-from cluster.ingress import DEFAULT_MAX_BODY_BYTES, OpenAIIngress
+from cluster.ingress import DEFAULT_MAX_BODY_BYTES
 from cluster.rank_actor import rank_bundle
 from cluster.replica import LLMReplica
 from replicas.config import EngineConfig
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+UNBOUNDED = 1 << 20          # generation requests per replica when max_queued_requests is -1
+CONTROL_REQUESTS = 64        # Serve's headroom above the replica's queue, for the non-generating routes
 
 
 class AppArgs(BaseModel):
@@ -38,8 +40,7 @@ class AppArgs(BaseModel):
     api_key: Optional[str] = None                 # Bearer key; None = no auth
     cpus_per_rank: float = Field(1.0, gt=0)       # CPU share of each TP rank (torch threads on CPU)
     max_ongoing_requests: Optional[int] = Field(None, ge=1)   # per replica; default: the engine's max_num_seqs
-    max_queued_requests: int = Field(256, ge=-1)  # per caller, waiting for a replica; beyond -> 503
-    ingress_replicas: int = Field(1, ge=1)
+    max_queued_requests: int = Field(256, ge=-1)  # per replica, waiting beyond max_ongoing; beyond -> 503 (-1: no cap)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
 
 
@@ -71,15 +72,17 @@ def build_app(args: AppArgs) -> Application:
     use_gpu = config.device == "cuda"
     scale = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
              else {"num_replicas": args.num_replicas})
-    replica = LLMReplica.options(
+    ongoing = args.max_ongoing_requests or config.max_num_seqs
+    queue_limit = ongoing + args.max_queued_requests if args.max_queued_requests >= 0 else UNBOUNDED
+    # The replica refuses what is beyond its queue itself, as an OpenAI 503; Serve's own limits sit above it
+    # (room for /health, /v1/models, /stats), so its proxy never answers with a bare-text refusal.
+    return LLMReplica.options(
         **scale,
         ray_actor_options={"num_cpus": args.cpus_per_rank, "num_gpus": 1 if use_gpu else 0},
         placement_group_bundles=[rank_bundle(use_gpu, args.cpus_per_rank)] * config.tensor_parallel_size,
         placement_group_strategy="STRICT_PACK",
-        max_ongoing_requests=args.max_ongoing_requests or config.max_num_seqs,
-        max_queued_requests=args.max_queued_requests,
+        max_ongoing_requests=queue_limit + CONTROL_REQUESTS,
+        max_queued_requests=-1,
         user_config=args.knobs,
-    ).bind(config, args.cpus_per_rank)
-    return OpenAIIngress.options(num_replicas=args.ingress_replicas).bind(
-        replica, api_key=args.api_key, served_model_name=args.served_model_name,
-        max_body_bytes=args.max_body_bytes)
+    ).bind(config, args.cpus_per_rank, queue_limit=queue_limit, api_key=args.api_key,
+           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)

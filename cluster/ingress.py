@@ -1,13 +1,15 @@
-"""The OpenAI-compatible HTTP front: FastAPI on Serve, in front of the `LLMReplica` deployment.
+"""The OpenAI-compatible HTTP front: the FastAPI routes every `LLMReplica` serves itself.
 
-Each prompt becomes one streaming handle call to a replica. The first frame is awaited before
-any byte goes out, so rejected prompts and backpressure get a real status code; after that the
-frames are turned into SSE chunks or one JSON body. A client that goes away cancels the handle
-call, which aborts the request in the engine.
+There is one deployment: the replica that owns an engine is also the HTTP ingress (Serve's proxy routes each
+request to a replica, and the replica streams SSE back), so a token crosses one Ray hop, not two. Each prompt
+becomes one local stream of frames (`StreamStart` or `StreamFailure` first, then lists of `ChoiceDelta`). The
+first frame is awaited before any byte goes out, so rejected prompts and overload get a real status code; after
+that the frames are turned into SSE chunks or one JSON body. A client that goes away cancels the request, which
+closes its streams and aborts them in the engine.
 
-Serve pickles the deployment class by value when it is decorated: module helpers it uses are
-defined above it, and annotations stay eager (no `from __future__ import annotations`) because
-FastAPI reads the handlers' `Request` annotations at run time.
+Serve pickles the deployment class by value when it is decorated: module helpers it uses are defined above it,
+and annotations stay eager (no `from __future__ import annotations`) because FastAPI reads the handlers'
+`Request` annotations at run time. `make_fastapi_class_based_view` finds routes defined on a base class.
 """
 
 import asyncio
@@ -20,12 +22,8 @@ from typing import AsyncIterator, Optional, Union
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from ray import serve
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from cluster.errors import OpenAIError, from_validation_error, install_error_handlers, model_not_found, overloaded
+from cluster.errors import OpenAIError, from_validation_error, install_error_handlers, model_not_found
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerationJob, StreamFailure, StreamStart
 from cluster.responses import ModelCard, ModelList, ResponseBuilder
 from replicas.sampling_params import SamplingParams, SamplingParamsError
@@ -34,6 +32,8 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 app = FastAPI(title="tidal", description="OpenAI-compatible LLM serving on Ray Serve")
 install_error_handlers(app)
+
+Frames = AsyncIterator[Union[StreamStart, StreamFailure, list]]
 
 
 def _sampling_params(req: Union[CompletionRequest, ChatCompletionRequest]) -> SamplingParams:
@@ -50,35 +50,20 @@ def _too_large(limit: int) -> OpenAIError:
 def _as_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
-    if isinstance(e, BackPressureError):
-        return overloaded(f"The server is overloaded, retry later ({e}).")
-    if isinstance(e, (DeploymentUnavailableError, RayActorError)):
-        return overloaded(f"No replica is available right now ({type(e).__name__}).")
     return OpenAIError(500, f"Generation failed: {type(e).__name__}: {e}", None, "internal_error", "server_error")
-
-
-async def _call(awaitable):
-    """Await a handle call; Serve's refusals become OpenAI errors (503 for overload)."""
-    try:
-        return await awaitable
-    except (BackPressureError, DeploymentUnavailableError, RayActorError) as e:
-        raise _as_openai_error(e) from None
 
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _cancel_all(streams: list[DeploymentResponseGenerator]) -> None:
-    """Abort calls still running (client gone, sibling prompt failed)."""
+async def _close_all(streams: list) -> None:
+    """Close streams still running (client gone, sibling prompt failed): each aborts its request."""
     for s in streams:
-        try:
-            s.cancel()
-        except Exception:  # cancel() re-raises a refused call's error (e.g. BackPressureError): nothing to abort
-            pass
+        await s.aclose()
 
 
-async def _merge(streams: list[DeploymentResponseGenerator]) -> AsyncIterator[tuple[int, list]]:
+async def _merge(streams: list) -> AsyncIterator[tuple[int, list]]:
     """Frames of several streams as they come, tagged with the stream's index."""
     if len(streams) == 1:
         async for frame in streams[0]:
@@ -87,7 +72,7 @@ async def _merge(streams: list[DeploymentResponseGenerator]) -> AsyncIterator[tu
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, s: DeploymentResponseGenerator):
+    async def pump(i: int, s):
         try:
             async for frame in s:
                 await queue.put((i, frame))
@@ -111,36 +96,33 @@ async def _merge(streams: list[DeploymentResponseGenerator]) -> AsyncIterator[tu
             t.cancel()
 
 
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
-                  graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=120)
-@serve.ingress(app)
-class OpenAIIngress:
-    def __init__(self, replicas: DeploymentHandle, api_key: Optional[str] = None,
-                 served_model_name: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.replicas = replicas
+class OpenAIRoutes:
+    """The routes and their HTTP handling. The subclass owns the engine and provides `generate(job)` (an async
+    iterator of one job's frames; it refuses work beyond its queue with a 503 `StreamFailure`),
+    `model_identity()` -> (name, max_model_len) and `async replicas_describe()` (every replica's `describe()`)."""
+
+    def _init_routes(self, api_key: Optional[str], served_model_name: Optional[str], max_body_bytes: int) -> None:
         self.api_key = api_key or None
         self.served_model_name = served_model_name
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
-        self._model: Optional[ModelCard] = None
 
     # ---- routes -----------------------------------------------------------------------
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        card = await self._model_card()
-        return JSONResponse({"status": "ok", "model": card.id})
+        return JSONResponse({"status": "ok", "model": self._model_card().id})
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return JSONResponse(ModelList(data=[await self._model_card()]).model_dump())
+        return JSONResponse(ModelList(data=[self._model_card()]).model_dump())
 
     @app.get("/stats")
-    async def stats(self, request: Request) -> JSONResponse:
+    async def stats_route(self, request: Request) -> JSONResponse:
         """Every replica's id and engine stats (an operator's view; same auth as the API)."""
         self._authorize(request)
-        replies = await self.replicas.broadcast("describe").results_async(timeout_s=30, return_exceptions=True)
+        replies = await self.replicas_describe()
         return JSONResponse({"object": "list", "data": [r for r in replies if isinstance(r, dict)],
                              "unreachable": sum(1 for r in replies if not isinstance(r, dict))})
 
@@ -185,17 +167,14 @@ class OpenAIIngress:
             req = model_cls.model_validate_json(body)
         except ValidationError as e:
             raise from_validation_error(e) from None
-        card = await self._model_card()
+        card = self._model_card()
         if req.model != card.id:
             raise model_not_found(req.model, card.id)
         return req
 
-    async def _model_card(self) -> ModelCard:
-        if self._model is None:
-            info = await _call(self.replicas.describe.remote())
-            self._model = ModelCard(id=self.served_model_name or info["model"], created=self.created,
-                                    max_model_len=info["max_model_len"])
-        return self._model
+    def _model_card(self) -> ModelCard:
+        name, max_model_len = self.model_identity()
+        return ModelCard(id=self.served_model_name or name, created=self.created, max_model_len=max_model_len)
 
     async def _respond(self, jobs: list[GenerationJob], builder: ResponseBuilder, stream: bool):
         streams, firsts = await self._start(jobs, builder)
@@ -211,28 +190,26 @@ class OpenAIIngress:
             done = True
         finally:
             if not done:
-                _cancel_all(streams)
+                await _close_all(streams)
         return JSONResponse(builder.final())
 
-    async def _start(self, jobs: list[GenerationJob],
-                     builder: ResponseBuilder) -> tuple[list[DeploymentResponseGenerator], list[StreamStart]]:
-        """Submit every job and wait for each first frame, turning refusals into OpenAIErrors."""
-        streams = [self.replicas.options(stream=True).generate.remote(job) for job in jobs]
+    async def _start(self, jobs: list[GenerationJob], builder: ResponseBuilder) -> tuple[list, list[StreamStart]]:
+        """Open every job's stream and wait for each first frame, turning refusals into OpenAIErrors."""
+        streams = [self.generate(job) for job in jobs]
         try:
-            firsts = await asyncio.gather(*(_call(s.__anext__()) for s in streams))
+            firsts = await asyncio.gather(*(s.__anext__() for s in streams))
         except BaseException:
-            _cancel_all(streams)
+            await _close_all(streams)
             raise
         for i, first in enumerate(firsts):
             if isinstance(first, StreamFailure):
-                _cancel_all(streams)
+                await _close_all(streams)
                 raise OpenAIError(first.status, first.message, first.param, first.code)
             assert isinstance(first, StreamStart), f"unexpected first frame {type(first).__name__}"
             builder.start(i, first)
         return streams, firsts
 
-    async def _sse(self, streams: list[DeploymentResponseGenerator], firsts: list[StreamStart],
-                   builder: ResponseBuilder) -> AsyncIterator[str]:
+    async def _sse(self, streams: list, firsts: list[StreamStart], builder: ResponseBuilder) -> AsyncIterator[str]:
         done = False
         try:
             for chunk in builder.opening_chunks():
@@ -247,9 +224,9 @@ class OpenAIIngress:
             usage = builder.usage_chunk()
             if usage is not None:
                 yield _sse(usage)
-        except Exception as e:  # the replica died mid-stream: tell the client in-band
+        except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield _sse(_as_openai_error(e).body())
         finally:
             if not done:
-                _cancel_all(streams)
+                await _close_all(streams)
         yield "data: [DONE]\n\n"

@@ -1,8 +1,9 @@
-"""The Serve deployment that owns one engine. Its process is rank 0 of the replica's TP group.
+"""The Serve deployment: one engine, and the OpenAI HTTP routes in front of it (`cluster.ingress.OpenAIRoutes`).
 
-Ranks 1..TP-1 are `RankWorker` actors in the same placement group (see `cluster.rank_actor`).
-The ingress reaches replicas through a `DeploymentHandle`: `generate` streams frames
-(`StreamStart` or `StreamFailure` first, then lists of `ChoiceDelta`); the fleet controller calls
+Its process is rank 0 of the replica's TP group; ranks 1..TP-1 are `RankWorker` actors in the same placement
+group (see `cluster.rank_actor`). The engine's step loop runs in a process of its own (replicas/engine_core.py).
+Serve's proxy routes each HTTP request to a replica; `generate` turns one job into frames (`StreamStart` or
+`StreamFailure` first, then lists of `ChoiceDelta`) that the routes write as SSE. The fleet controller calls
 `reconfigure` and `stats` on every replica with `handle.broadcast(...)`.
 Serve pickles the class by value at decoration, so the helpers it calls are defined above it.
 """
@@ -19,6 +20,7 @@ from typing import AsyncIterator, Optional, Union
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from cluster.ingress import DEFAULT_MAX_BODY_BYTES, OpenAIRoutes, app
 from cluster.metrics import ReplicaMetrics
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
@@ -32,8 +34,9 @@ logger = logging.getLogger("tidal.replica")
 
 RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
 # The replica's stream-item budget: each of n streams sends at most one item per (n - 1) x this, so a replica
-# sends ~1,000 items/s however many streams it serves. The H200 run carried ~1,700 items/s (one token each)
-# through ingress and proxy at 64 streams; TIDAL_STREAM_ITEM_MS overrides it (0: no pacing).
+# sends ~1,000 items/s however many streams it serves. Every item is a Ray message to the proxy, and Ray does
+# not push back on a fast producer (the H200 carried ~1,700 one-token items/s through two hops at 64 streams);
+# TIDAL_STREAM_ITEM_MS overrides it (0: no pacing).
 STREAM_ITEM_SECONDS = float(os.environ.get("TIDAL_STREAM_ITEM_MS", "1.0")) / 1e3
 METRICS_PERIOD_S = 1.0
 
@@ -120,21 +123,22 @@ def _failure(e: Exception, default_param: str) -> StreamFailure:
     return StreamFailure(400, str(e), getattr(e, "param", None) or default_param, code)
 
 
-@serve.deployment(
-    name="LLMReplica",
-    health_check_period_s=5,
-    health_check_timeout_s=30,
-    graceful_shutdown_wait_loop_s=0.5,
-    graceful_shutdown_timeout_s=120,
-)
-class LLMReplica:
-    def __init__(self, engine_config: EngineConfig, cpus_per_rank: float = 1.0):
+class EngineReplica(OpenAIRoutes):
+    """One engine and the routes in front of it; `LLMReplica` is this class as a Serve ingress deployment."""
+
+    def __init__(self, engine_config: EngineConfig, cpus_per_rank: float = 1.0, *, queue_limit: int = 1 << 30,
+                 api_key: Optional[str] = None, served_model_name: Optional[str] = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        """queue_limit: jobs in flight (generating or waiting in the engine) beyond which new ones get a 503."""
+        self._init_routes(api_key, served_model_name, max_body_bytes)
         self.replica_id = _replica_id()
+        self.queue_limit = queue_limit
         self.launcher: Optional[RayRankLauncher] = None
         if engine_config.tensor_parallel_size > 1:
             self.launcher = RayRankLauncher(engine_config.device == "cuda", cpus_per_rank)
         self.engine = AsyncLLMEngine(engine_config, worker_launcher=self.launcher)
         self._streams = 0                    # generate() calls in flight
+        self._peers = None                   # this deployment's handle, for /stats
         self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id)
         if self.metrics.recorder is not None:
             self.metrics.start()
@@ -142,14 +146,18 @@ class LLMReplica:
                     engine_config.tensor_parallel_size)
 
     async def generate(self, job: GenerationJob) -> AsyncIterator[Union[StreamStart, StreamFailure, list[ChoiceDelta]]]:
-        """Stream one job. Cancelling this call (client gone) closes the engine stream, which aborts it."""
+        """Stream one job. Closing the stream (client gone) closes the engine stream, which aborts the request."""
+        if self._streams >= self.queue_limit:      # checked and counted with no await between: no overshoot
+            yield StreamFailure(503, f"The server is overloaded ({self._streams} requests in flight on this replica); "
+                                "retry later.", None, "overloaded")
+            return
         param = "messages" if job.messages is not None else "prompt"
         stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id)
         started = False
         reported: set[int] = set()
         self._streams += 1
         try:
-            # One item per batch of engine outputs: each item is a Ray message to the ingress, so the outputs that
+            # One item per batch of engine outputs: each item is a Ray message to the proxy, so the outputs that
             # queued up while the last one was sent travel together. Ray does not push back on a fast producer, so
             # under load each stream also waits its share of the replica's item budget before taking the next
             # batch: at 64 streams ~63 ms, the engine's steps meanwhile arriving as one item.
@@ -180,8 +188,17 @@ class LLMReplica:
     def _prompt(job: GenerationJob) -> Union[str, list[int], ChatPrompt]:
         return ChatPrompt(job.messages) if job.messages is not None else job.prompt
 
+    def model_identity(self) -> tuple[str, int]:
+        return self.engine.model_name, self.engine.max_model_len
+
+    async def replicas_describe(self) -> list:
+        if self._peers is None:
+            ctx = serve.get_replica_context()
+            self._peers = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+        return await self._peers.broadcast("describe").results_async(timeout_s=30, return_exceptions=True)
+
     async def describe(self) -> dict:
-        """Identity and current stats of this replica (the ingress's /v1/models and /stats read it)."""
+        """Identity and current stats of this replica (/stats and the fleet controller read it)."""
         stats = await asyncio.to_thread(self.engine.stats)       # an engine call: answered between two steps
         return {"replica_id": self.replica_id, "model": self.engine.model_name,
                 "max_model_len": self.engine.max_model_len, "stats": asdict(stats),
@@ -226,3 +243,12 @@ class LLMReplica:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.shutdown()
+
+
+LLMReplica = serve.deployment(
+    name="LLMReplica",
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+    graceful_shutdown_wait_loop_s=0.5,
+    graceful_shutdown_timeout_s=120,
+)(serve.ingress(app)(EngineReplica))

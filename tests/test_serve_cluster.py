@@ -20,7 +20,7 @@ import requests
 from checkpoints import make_tiny_llama
 
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
-from cluster.replica import LLMReplica
+from cluster.replica import EngineReplica
 from replicas import LLM, EngineConfig, SamplingParams
 from replicas.loaders import load_checkpoint
 
@@ -200,7 +200,7 @@ def test_knobs_from_user_config_and_controller_broadcast(tiny_llama):
 
 @pytest.fixture(scope="module")
 def replica(tiny_llama):
-    r = LLMReplica.func_or_class(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
+    r = EngineReplica(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
     yield r
     r.__del__()
 
@@ -275,3 +275,15 @@ def test_replica_reconfigure_stats_abort_and_health(replica):
     while replica.engine.stats().kv_blocks_used or replica.engine.stats().num_running:
         assert time.monotonic() < deadline, replica.engine.stats()
         time.sleep(0.05)
+
+
+def test_replica_refuses_beyond_its_queue_with_an_overload_frame(replica):
+    """The replica (the HTTP ingress itself) answers work beyond queue_limit with a 503 frame, and nothing runs."""
+    limit, replica.queue_limit = replica.queue_limit, replica._streams
+    try:
+        frames = run_job(replica, GenerationJob("full-1", SamplingParams(max_tokens=4), prompt=[5, 6]))
+    finally:
+        replica.queue_limit = limit
+    assert len(frames) == 1 and isinstance(frames[0], StreamFailure)
+    assert (frames[0].status, frames[0].code) == (503, "overloaded")
+    assert replica.engine.stats().num_running == 0 and replica._streams == 0

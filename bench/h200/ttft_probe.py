@@ -1,6 +1,8 @@
 """H200 probe (session 12): where one request's TTFT goes in-process. SmolLM2 (TIDAL_DEFAULT_MODEL), one
 128-token random prompt at a time: wall ms of each of the first 4 steps (device synchronised), then the
-prefill step under torch.profiler (top ops by host and device time)."""
+prefill step under cProfile (Python time, Triton launches included) and torch.profiler (top ops)."""
+import cProfile
+import pstats
 import random
 import time
 
@@ -31,6 +33,17 @@ for i in range(5):
     one(i)
 for i in range(5, 10):
     print("step ms:", " ".join(f"{t:.2f}" for t in one(i)[:4]))
+for i in range(3):
+    engine.add_request(f"cprof{i}", [rng.randrange(100, 40000) for _ in range(128)], params)
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    engine.step()
+    torch.cuda.synchronize()
+    prof_py.disable()
+    while engine.has_unfinished:
+        engine.step()
+pstats.Stats(prof_py).sort_stats("cumulative").print_stats(30)
+pstats.Stats(prof_py).sort_stats("tottime").print_stats(20)
 engine.add_request("prof", [rng.randrange(100, 40000) for _ in range(128)], params)
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     engine.step()
