@@ -17,6 +17,10 @@ logger = logging.getLogger("tidal.serve")
 
 APP_NAME = "tidal"
 READY_TIMEOUT_S = 900.0
+# Ray Serve's throughput preset for the local cluster (set in the environment to override): the replica's user
+# code and its router on the replica's own event loop, gRPC from proxy to replica, the proxy on the head node only
+# (every ingress replica also listens on a port of its own). Measured in bench.serve_overhead (docs/serving.md).
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -124,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if joined:
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
+            for key, value in SERVE_ENV.items():      # read by Serve's processes, which inherit this environment
+                os.environ.setdefault(key, value)
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(ranks * cpus_per_rank)),
                      include_dashboard=False, _metrics_export_port=args.metrics_port)
         # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process.
