@@ -106,6 +106,9 @@ class ServeFleet:
     def __init__(self, app_name: str, deployment: str = "LLMReplica"):
         from ray import serve
         self.handle = serve.get_deployment_handle(deployment, app_name)
+        # The controller calls from a plain thread; Serve's throughput preset (cluster.serve_cmd.SERVE_ENV) would
+        # otherwise route on the caller's asyncio loop, which a thread does not have.
+        self.handle._init(_run_router_in_separate_loop=True)
 
     def views(self) -> list[ReplicaView]:
         replies = self.handle.broadcast("describe").results(timeout_s=30)
