@@ -14,7 +14,10 @@ Ray cluster; POST /v1/completions, stream=true, over one keep-alive aiohttp sess
 POST sent (body already encoded) -> first SSE chunk holding a choice (a token, even if its text is still
 empty); tokens = the usage chunk's completion_tokens. The client only scans SSE lines for fixed byte patterns
 and parses JSON once per request (the usage chunk): a small cost per chunk, the same for every request.
-Each path: the warm-up set (all at once), then the idle set one request at a time (concurrency 1), then the
+The Serve path is measured twice: through the front door (Serve's proxy, the URL `tidal serve` prints) and,
+under Ray Serve's direct ingress (the throughput preset `tidal serve` sets), straight to the replica's own
+HTTP port (no proxy hop; what a load balancer in front of the replicas would use), with fresh prompts of the
+same kind (`replica_direct_ingress` in the JSON). Each path: the warm-up set (all at once), then the idle set one request at a time (concurrency 1), then the
 loaded set in a closed loop of --concurrency streams. Throughput = output tokens / wall time from the first
 send to the last token. The direct engine runs first and is freed before the server starts. process_cpu_s:
 this process's CPU time during a run: engine and callers on the direct path, only the HTTP client on the
@@ -69,8 +72,8 @@ class Stream:
     tokens: int
 
 
-def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
-    rng = random.Random(args.seed)
+def make_workload(args: argparse.Namespace, vocab: int, seed_offset: int = 0) -> Workload:
+    rng = random.Random(args.seed + 1000 * seed_offset)
 
     def prompts(n: int) -> list[list[int]]:
         return [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)] for _ in range(n)]
@@ -188,6 +191,16 @@ def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfi
                                  engine_kwargs={"elastic": "off", **extra}))
 
 
+def overhead(serve: dict, direct: dict, concurrency: int) -> dict:
+    """What a Serve path adds over the direct engine: median TTFT at 1 and `concurrency` streams, throughput ratio."""
+    added = {k: serve[k]["ttft_ms"]["median"] - direct[k]["ttft_ms"]["median"] for k in ("idle", "loaded")}
+    ratio = serve["loaded"]["output_tok_s"] / direct["loaded"]["output_tok_s"]
+    return {"added_median_ttft_ms_c1": added["idle"], "added_median_ttft_ms_c64": added["loaded"],
+            "throughput_ratio_64": ratio,
+            "meets_targets": {"added_median_ttft_ms_c1": added["idle"] <= TTFT_TARGET_MS,
+                              "throughput_ratio_64": ratio >= THROUGHPUT_TARGET}}
+
+
 def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args)
     engine = AsyncLLMEngine(direct_config(model, args))
@@ -205,16 +218,19 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     server = LocalServer(serve_flags(model, args))
     try:
-        serve = asyncio.run(measure_serve(server.url, server.wait_ready(READY_TIMEOUT_S), work))
+        model_id = server.wait_ready(READY_TIMEOUT_S)
+        serve = asyncio.run(measure_serve(server.url, model_id, work))
+        replicas = server.replica_urls()
+        # the same kind of requests, new prompts (no prefix-cache hits), straight to the replica's own port
+        ingress = asyncio.run(measure_serve(replicas[0], model_id, make_workload(args, vocab, seed_offset=1))) \
+            if replicas else None
     finally:
         server.stop()
-    added = {k: serve[k]["ttft_ms"]["median"] - direct[k]["ttft_ms"]["median"] for k in ("idle", "loaded")}
-    ratio = serve["loaded"]["output_tok_s"] / direct["loaded"]["output_tok_s"]
-    return {"added_median_ttft_ms_c1": added["idle"], "added_median_ttft_ms_c64": added["loaded"],
-            "throughput_ratio_64": ratio, "concurrency": args.concurrency,
-            "meets_targets": {"added_median_ttft_ms_c1": added["idle"] <= TTFT_TARGET_MS,
-                              "throughput_ratio_64": ratio >= THROUGHPUT_TARGET},
-            "serve": serve, "direct": direct, "device": device, "torch": torch.__version__,
+    res = {**overhead(serve, direct, args.concurrency), "concurrency": args.concurrency,
+           "serve": serve, "direct": direct}
+    if ingress is not None:
+        res["replica_direct_ingress"] = {**overhead(ingress, direct, args.concurrency), "serve": ingress}
+    return {**res, "device": device, "torch": torch.__version__,
             "model": args.model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)", "load_format": args.load_format,
             "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
@@ -233,9 +249,18 @@ def report(res: dict) -> None:
             print(f"{path:<8}{r['concurrency']:>8}{r['num_requests']:>10}{r['output_tokens']:>9}"
                   f"{r['output_tok_s']:>10.1f}{t['median']:>10.2f}{t['mean']:>9.2f}{t['p99']:>9.2f}")
     c = res["concurrency"]
-    print(f"added median TTFT: {res['added_median_ttft_ms_c1']:.2f} ms at 1 stream (target <= {TTFT_TARGET_MS:g}), "
-          f"{res['added_median_ttft_ms_c64']:.2f} ms at {c}; Serve/direct throughput at {c} streams: "
-          f"{res['throughput_ratio_64']:.3f} (target >= {THROUGHPUT_TARGET:.2f})")
+    paths = [("front door (proxy)", res)]
+    if "replica_direct_ingress" in res:
+        r = res["replica_direct_ingress"]
+        paths.append(("replica port", r))
+        for level in ("idle", "loaded"):
+            s, t = r["serve"][level], r["serve"][level]["ttft_ms"]
+            print(f"{'replica':<8}{s['concurrency']:>8}{s['num_requests']:>10}{s['output_tokens']:>9}"
+                  f"{s['output_tok_s']:>10.1f}{t['median']:>10.2f}{t['mean']:>9.2f}{t['p99']:>9.2f}")
+    for name, r in paths:
+        print(f"{name}: added median TTFT {r['added_median_ttft_ms_c1']:.2f} ms at 1 stream (target <= "
+              f"{TTFT_TARGET_MS:g}), {r['added_median_ttft_ms_c64']:.2f} ms at {c}; Serve/direct throughput at {c} "
+              f"streams {r['throughput_ratio_64']:.3f} (target >= {THROUGHPUT_TARGET:.2f})")
     client = res["serve"]["loaded"]
     if client["process_cpu_s"] > 0.8 * client["seconds"]:
         print(f"warning: the HTTP client was busy {client['process_cpu_s'] / client['seconds']:.0%} of the loaded "

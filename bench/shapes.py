@@ -14,6 +14,11 @@ SHAPES = {
                        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
                        tie_word_embeddings=True, eos_token_id=151645),
+    # the embedded default's architecture: Serve measurements with its speed but without staging its GGUF
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, eos_token_id=2),
 }
 
 

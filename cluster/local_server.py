@@ -72,6 +72,12 @@ class LocalServer:
         self.stop()
         raise RuntimeError(f"`{' '.join(self.cmd)}` was not healthy within {timeout_s:.0f}s:\n{self.log_tail()}")
 
+    def replica_urls(self) -> list[str]:
+        """The replicas' direct-ingress URLs the server printed (`tidal: replica direct ingress at URL/v1`)."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [line.split(" at ", 1)[1].removesuffix("/v1") for line in lines
+                if line.startswith("tidal: replica direct ingress at ")]
+
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM (the server drains, deletes the app and shuts its Ray down, exit code 0); SIGKILL to the
         whole session if it hangs or the wait is interrupted. Returns the exit code."""

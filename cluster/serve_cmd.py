@@ -144,6 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
             start_controller(APP_NAME, ControllerConfig(interval_s=args.controller_interval))
         serving.set()
         metrics = "" if joined else f", Prometheus metrics on :{args.metrics_port}"
+        for replica_url in replica_urls(APP_NAME, args.host):
+            print(f"tidal: replica direct ingress at {replica_url}/v1", flush=True)
         print(f"tidal: serving {model} at {url}/v1 ({args.replicas} replica(s) x TP{args.tp} on {device}"
               f"{metrics}, Ray at {ray.get_runtime_context().gcs_address}); Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
@@ -162,6 +164,24 @@ def run_serve(args: argparse.Namespace) -> int:
         _cleanup(joined)
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def replica_urls(app_name: str, host: str) -> list[str]:
+    """Each replica's own HTTP port under Serve's direct ingress (the throughput preset): one replica's routes
+    with no proxy hop, for a load balancer in front or for one-replica use. Serve exposes them only through
+    its controller's target groups (no public API yet); empty when direct ingress is off or that changes."""
+    import ray
+    from ray import serve
+    try:
+        controller = serve.context._get_global_client()._controller
+        groups = ray.get(controller.get_target_groups.remote(app_name), timeout=30)
+    except Exception:  # noqa: BLE001 - a private API: the front door still works without it
+        logger.warning("could not list the replicas' direct-ingress ports", exc_info=True)
+        return []
+    local = host in ("127.0.0.1", "localhost")
+    return [f"http://{'127.0.0.1' if local else t.ip}:{t.port}" for g in groups
+            if str(g.protocol).upper().endswith("HTTP") and g.app_name == app_name for t in g.targets
+            if t.port != 0]
 
 
 def _cleanup(joined: bool) -> None:

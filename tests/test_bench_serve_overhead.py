@@ -44,5 +44,11 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
     assert res["added_median_ttft_ms_c1"] == (res["serve"]["idle"]["ttft_ms"]["median"]
                                               - res["direct"]["idle"]["ttft_ms"]["median"])
     assert res["throughput_ratio_64"] == res["serve"]["loaded"]["output_tok_s"] / res["direct"]["loaded"]["output_tok_s"]
+    # the replica's own port (Serve's direct ingress, which tidal serve turns on): the same requests, all served
+    replica = res["replica_direct_ingress"]
+    assert [replica["serve"][lv]["output_tokens"] for lv in ("idle", "loaded")] == [2 * 4, 4 * 4]
+    assert replica["throughput_ratio_64"] == replica["serve"]["loaded"]["output_tok_s"] / \
+        res["direct"]["loaded"]["output_tok_s"]
     table = capsys.readouterr().out
+    assert "replica port" in table
     assert "added median TTFT" in table and "serve" in table and "direct" in table
