@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import uuid
 from dataclasses import asdict
 from typing import AsyncIterator, Optional, Union
@@ -21,9 +20,9 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, OpenAIRoutes, app
-from cluster.metrics import ReplicaMetrics
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
+from cluster.replica_metrics import MetricsPump
 from replicas.async_engine import AsyncLLMEngine, ChatPrompt, RequestError
 from replicas.config import EngineConfig
 from replicas.outputs import RequestOutput
@@ -38,93 +37,6 @@ RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
 # not push back on a fast producer (the H200 carried ~1,700 one-token items/s through two hops at 64 streams);
 # TIDAL_STREAM_ITEM_MS overrides it (0: no pacing).
 STREAM_ITEM_SECONDS = float(os.environ.get("TIDAL_STREAM_ITEM_MS", "1.0")) / 1e3
-METRICS_PERIOD_S = 1.0
-
-
-class MetricsRecorder:
-    """`ReplicaMetrics` in a Ray actor of its own (num_cpus 0, owned by the replica, so it dies with it).
-    `ray.util.metrics` costs a C++ call under the GIL per point, and the inter-token histogram takes a point per
-    token: ~10k points/s from a busy replica, 9% of the serving process's samples on the H200 when it recorded
-    them itself. Calls from one caller run in order on the actor, so the counters' increments stay ordered."""
-
-    def __init__(self, model_name: str, replica_id: str):
-        self.metrics = ReplicaMetrics(model_name, replica_id)
-
-    def record(self, stats: EngineStats, timings: list) -> None:
-        self.metrics.record(stats, timings)
-
-    def record_controller_decision(self, knob: str, value: float, reason: str) -> None:
-        self.metrics.record_controller_decision(knob, value, reason)
-
-
-class RemoteRecorder:
-    """The replica's handle on its `MetricsRecorder` actor: same methods, sent without waiting."""
-
-    def __init__(self, model_name: str, replica_id: str):
-        import ray
-        self.actor = ray.remote(num_cpus=0)(MetricsRecorder).remote(model_name, replica_id)
-        self.last = None
-
-    def record(self, stats: EngineStats, timings: list) -> None:
-        self.last = self.actor.record.remote(stats, timings)
-
-    def record_controller_decision(self, knob: str, value: float, reason: str) -> None:
-        self.last = self.actor.record_controller_decision.remote(knob, value, reason)
-
-    def close(self) -> None:
-        """Wait for what was sent (the final flush), then stop the actor."""
-        import ray
-        try:
-            if self.last is not None:
-                ray.get(self.last, timeout=30)
-        finally:
-            ray.kill(self.actor)
-
-
-class MetricsPump(threading.Thread):
-    """Feeds the replica's metrics from the engine every period: through a `MetricsRecorder` actor inside Ray, in
-    this process otherwise (a replica class built outside Serve); off when neither can start."""
-
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, replica_id: str, period_s: float = METRICS_PERIOD_S):
-        super().__init__(name="tidal-metrics", daemon=True)
-        self.engine = engine
-        self.period_s = period_s
-        self.recorder = self._load_recorder(model_name, replica_id)
-        self._halt = threading.Event()
-
-    @staticmethod
-    def _load_recorder(model_name: str, replica_id: str):
-        import ray
-        try:
-            if ray.is_initialized():
-                return RemoteRecorder(model_name, replica_id)
-            return ReplicaMetrics(model_name, replica_id)
-        except Exception:
-            logger.exception("replica metrics could not start; they are off")
-            return None
-
-    def run(self) -> None:
-        while not self._halt.wait(self.period_s):
-            self.flush()
-
-    def flush(self) -> None:
-        if self.recorder is None:
-            return
-        try:
-            self.recorder.record(self.engine.stats(), self.engine.drain_finished_timings())
-        except Exception:
-            logger.exception("recording replica metrics failed")
-
-    def stop(self) -> None:
-        self._halt.set()
-        if self.is_alive():
-            self.join(timeout=2 * self.period_s)
-        self.flush()
-        if isinstance(self.recorder, RemoteRecorder):
-            try:
-                self.recorder.close()
-            except Exception:
-                logger.exception("the metrics recorder did not finish cleanly")
 
 
 def _replica_id() -> str:
