@@ -8,7 +8,13 @@ sequence's next free context slot. A round gathers the batch's contexts with one
 Bookkeeping is on the host: per sequence its pages, its length and its runs of consecutive positions (a
 prefix-cache hit leaves a gap: those positions were never computed here). Writing from position p keeps only
 the entries below p (a preempted sequence recomputes from its start). The pool doubles when it runs out of
-pages; page ids stay valid across growth.
+pages; page ids stay valid across growth, but the pool's memory moves (`pool_id` changes: a CUDA graph that
+reads or writes the pool must be captured again). One scratch page past the pool's pages (`scratch_slot`)
+takes the writes of padded rows, so a padded write never touches a sequence's entry.
+
+Static-shape paths (speculative/context_graphs.py, speculative/drafter_graphs.py) split a gather in two: the
+host fills a page table (`fill_table`), and `gather_into` copies those pages into caller-owned buffers with one
+index op, nothing allocated, so it can be captured in a graph.
 
 Observations are deferred (`PendingObservations`): a step only records which rows of its target hidden states
 belong to which sequence and position; the projection into context K/V runs once for many steps' rows, when a
@@ -16,6 +22,7 @@ drafting round needs the contexts or the held rows pass a bound. A step that doe
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import numpy as np
@@ -25,17 +32,27 @@ from torch import Tensor
 from replicas.transfer import to_device
 from speculative.drafter import DraftContext
 
+_POOL_IDS = itertools.count()
+
 
 class PagedDraftContext:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  page_size: int = 32, num_pages: int = 64):
         self.page_size = page_size
-        self.pool = torch.zeros(num_layers, 2, num_pages, page_size, kv_heads, head_dim, dtype=dtype,
-                                device=device)
+        self._allocate(torch.zeros(num_layers, 2, num_pages + 1, page_size, kv_heads, head_dim, dtype=dtype,
+                                   device=device))
         self.free: list[int] = list(range(num_pages - 1, -1, -1))
         self.pages: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self.runs: dict[int, list[tuple[int, int]]] = {}      # (first position, first entry) per run
+
+    def _allocate(self, storage: Tensor) -> None:
+        """storage: [layers, 2, pages + 1, page_size, kv_heads, head_dim]; its last page is the scratch page."""
+        self.storage = storage
+        self.pool = storage[:, :, :-1]                       # the sequences' pages
+        self.flat = storage.view(*storage.shape[:2], -1, *storage.shape[4:])      # slot-indexed, scratch included
+        self.scratch_slot = self.pool.shape[2] * self.page_size
+        self.pool_id = next(_POOL_IDS)                       # new memory: graphs over the old pool are stale
 
     @property
     def device(self) -> torch.device:
@@ -108,27 +125,47 @@ class PagedDraftContext:
     def _grow(self, at_least: int) -> None:
         old = self.pool.shape[2]
         new = max(2 * old, old + at_least)
-        pool = self.pool.new_zeros(*self.pool.shape[:2], new, *self.pool.shape[3:])
-        pool[:, :, :old] = self.pool
-        self.pool = pool
+        storage = self.storage.new_zeros(*self.storage.shape[:2], new + 1, *self.storage.shape[3:])
+        storage[:, :, :old] = self.pool
+        self._allocate(storage)
         self.free = list(range(new - 1, old - 1, -1)) + self.free
 
     def write(self, slots: Tensor, ctx: DraftContext) -> None:
-        """Store the entries of a flat context (keys/values [1, R, kv_heads, head_dim] per layer) at `slots` [R]."""
-        flat = self.pool.view(*self.pool.shape[:2], -1, *self.pool.shape[4:])
-        flat[:, :, slots] = torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(ctx.keys, ctx.values)])
+        """Store the entries of a flat context (keys/values [1, R, kv_heads, head_dim] per layer) at `slots` [R]
+        (`scratch_slot`: nowhere that is read)."""
+        self.flat[:, :, slots] = torch.stack([torch.stack([k[0], v[0]]) for k, v in zip(ctx.keys, ctx.values)])
+
+    def page_bucket(self, seq_ids: list[int]) -> int:
+        """Pages per sequence of the batch's gather: the longest context's, rounded up to a power of two. The bucket
+        matters on CUDA: every new attention shape costs a fresh kernel plan (~60 ms on the H200 when it was the
+        exact longest length, i.e. every round), buckets keep the shapes to a handful."""
+        longest = max((self.length(s) for s in seq_ids), default=0)
+        return 1 << max(0, -(-longest // self.page_size) - 1).bit_length()
+
+    def fill_table(self, seq_ids: list[int], lengths: np.ndarray, pages: np.ndarray) -> None:
+        """Host half of a gather: rows [:B] of `lengths` [lanes] and `pages` [lanes, width] get each sequence's
+        length and page ids (the caller zeroes the rest: rows past a context read page 0, masked)."""
+        width = pages.shape[1]
+        for b, s in enumerate(seq_ids):
+            lengths[b] = self.length(s)
+            own = self.pages.get(s, [])[:width]
+            pages[b, :len(own)] = own
+
+    def gather_into(self, lengths: Tensor, pages: Tensor, kv_out: Tensor, valid_out: Tensor,
+                    slot_index: Tensor) -> None:
+        """Device half of a gather, into caller-owned buffers, nothing allocated: kv_out [2 (keys, values),
+        layers, lanes, width * page_size, kv_heads, head_dim] gets the pages `pages` [lanes, width] name,
+        valid_out [lanes, width * page_size] is slot_index (arange(width * page_size)) < lengths [lanes]."""
+        two, layers, lanes = kv_out.shape[:3]
+        out = kv_out.view(two, layers, pages.numel(), *self.pool.shape[3:])
+        torch.index_select(self.pool.transpose(0, 1), 2, pages.view(-1), out=out)
+        torch.lt(slot_index, lengths[:, None], out=valid_out)
 
     def gather(self, seq_ids: list[int]) -> DraftContext:
-        """The batch's contexts as the drafter's attention reads them, right-padded to a power-of-two number of
-        pages. The bucket matters on CUDA: every new attention shape costs a fresh kernel plan (~60 ms on the
-        H200 when it was the exact longest length, i.e. every round), buckets keep the shapes to a handful."""
-        lengths = [self.length(s) for s in seq_ids]
-        width = 1 << max(0, -(-max(lengths, default=0) // self.page_size) - 1).bit_length()
-        table = np.zeros((len(seq_ids), 1 + width), dtype=np.int64)
-        table[:, 0] = lengths                                   # one upload: lengths, then page tables
-        for b, s in enumerate(seq_ids):
-            pages = self.pages.get(s, [])[:width]
-            table[b, 1:1 + len(pages)] = pages
+        """The batch's contexts as the drafter's attention reads them, right-padded to `page_bucket` pages."""
+        width = self.page_bucket(seq_ids)
+        table = np.zeros((len(seq_ids), 1 + width), dtype=np.int64)      # one upload: lengths, then page tables
+        self.fill_table(seq_ids, table[:, 0], table[:, 1:])
         packed = to_device(table, self.device)
         g = self.pool[:, :, packed[:, 1:]].flatten(3, 4)              # [L, 2, B, T, kv_heads, head_dim]
         valid = torch.arange(width * self.page_size, device=self.device)[None] < packed[:, :1]
@@ -184,10 +221,23 @@ class PendingObservations:
 
     def take(self) -> Optional[tuple[Tensor, np.ndarray, np.ndarray]]:
         """(hidden [R, layers * hidden], seq_ids [R], positions [R]) of every live held row; empties the log."""
+        parts, ids, positions = [], [], []
+        for aux, rows, sid, pos in self.take_segments():
+            hidden = torch.cat(aux, -1)
+            parts.append(hidden if rows is None else hidden[to_device(rows, hidden.device)])
+            ids.append(sid)
+            positions.append(pos)
+        if not parts:
+            return None
+        return torch.cat(parts) if len(parts) > 1 else parts[0], np.concatenate(ids), np.concatenate(positions)
+
+    def take_segments(self) -> list[tuple[list[Tensor], Optional[np.ndarray], np.ndarray, np.ndarray]]:
+        """The live held rows per recorded step, in record order: (aux in the drafter's layer order, rows of it
+        (None: all), seq_ids, positions), no segment empty; empties the log."""
         segments, forgotten = self.segments, self.forgotten
         self.segments, self.forgotten, self.held_rows = [], {}, 0
         start = self.recorded - sum(len(seg[2]) for seg in segments)
-        parts, ids, positions = [], [], []
+        live_segments = []
         for aux, rows, sid, pos in segments:
             first, start = start, start + len(sid)
             if forgotten:
@@ -198,12 +248,6 @@ class PendingObservations:
                 if not live.all():
                     rows = np.flatnonzero(live) if rows is None else rows[live]
                     sid, pos = sid[live], pos[live]
-            if len(sid) == 0:
-                continue
-            hidden = torch.cat([aux[j] for j in self.layer_order], -1)
-            parts.append(hidden if rows is None else hidden[to_device(rows, hidden.device)])
-            ids.append(sid)
-            positions.append(pos)
-        if not parts:
-            return None
-        return torch.cat(parts) if len(parts) > 1 else parts[0], np.concatenate(ids), np.concatenate(positions)
+            if len(sid):
+                live_segments.append(([aux[j] for j in self.layer_order], rows, sid, pos))
+        return live_segments
