@@ -5,10 +5,16 @@ at batch 1, against a ~1.2 ms target decode step). A key's graph is captured on 
 padded to the next power of two (at most `max_batch`) and the context length is already bucketed by
 `PagedDraftContext.gather` (a power-of-two number of pages), so keys come from a small set.
 
-A run copies the real rows into the key's static inputs and resets the padded lanes to root 0, position 0 and an
-all-invalid context. The block's own tokens are always visible, so a padded lane has no all-masked softmax row,
-and every op of the pass is row-independent: padded lanes never change the real ones (`draft_padded` is the
-same computation, eager, so CPU tests can check it). The padded lanes' context keys/values are left as they are.
+Two ways to feed a key. `run_paged` (the speculator's): the host writes roots, root positions, context lengths and
+page ids into one pinned table, copied once to the key's static table; the graph itself gathers the context from
+the PagedDraftContext pool into the key's static keys/values (`PagedDraftContext.gather_into`) and drafts, so a
+round is one copy and one replay. Such a graph reads the pool's memory: when the pool grows (`pool_id`), the key
+is captured again. `run` takes an already gathered DraftContext and copies it into the static inputs.
+
+Padded lanes get root 0, position 0 and an all-invalid context. The block's own tokens are always visible, so a
+padded lane has no all-masked softmax row, and every op of the pass is row-independent: padded lanes never change
+the real ones (`draft_padded` is the same computation, eager, so CPU tests can check it). `run` leaves the padded
+lanes' context keys/values as they are; `run_paged` gathers page 0 into them.
 
 Memory: every key carves its static context keys/values and its outputs from the start of two shared arenas
 (`Arena`), so keys overlap in memory. That is safe because runs never overlap and each run rewrites everything it
@@ -30,9 +36,12 @@ import math
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from replicas.transfer import to_device
+from speculative.context_cache import PagedDraftContext
 from speculative.drafter import DominoDrafter, DraftBlock, DraftContext
 
 log = logging.getLogger(__name__)
@@ -70,28 +79,77 @@ class Arena:
         return [part.view(shape) for part, shape in zip(buf[:need].split(sizes), shapes)]
 
 
-class PaddedInputs:
-    """The static inputs of one key: roots and positions [lanes], per-layer context keys/values
-    [lanes, length, kv_heads, head_dim], valid [lanes, length]."""
+class HostStaging:
+    """A host buffer for one host->device copy per use, reused while its last copy is done; pinned on CUDA, where
+    the copy is asynchronous. A buffer whose copy may still be pending is dropped for a new one, never waited for
+    (the caching host allocator keeps it until the copy has read it)."""
 
-    def __init__(self, lanes: int, length: int, keys: list[Tensor], values: list[Tensor]):
-        device = keys[0].device
-        self.roots = torch.zeros(lanes, dtype=torch.long, device=device)
-        self.positions = torch.zeros(lanes, dtype=torch.long, device=device)
+    def __init__(self, device: torch.device):
+        self.pinned = device.type == "cuda"
+        self.buffer = torch.zeros(0, dtype=torch.long)
+        self.copied: Optional[torch.cuda.Event] = None
+
+    def take(self, n: int) -> np.ndarray:
+        """n zeroed int64 entries to fill, then `upload`."""
+        if self.buffer.numel() < n or (self.copied is not None and not self.copied.query()):
+            self.buffer = torch.empty(max(n, self.buffer.numel()), dtype=torch.long, pin_memory=self.pinned)
+        host = self.buffer[:n].numpy()
+        host.fill(0)
+        return host
+
+    def upload(self, dst: Tensor) -> None:
+        """dst (int64, contiguous) <- the first dst.numel() entries."""
+        dst.copy_(self.buffer[:dst.numel()], non_blocking=self.pinned)
+        if self.pinned:
+            self.copied = self.copied or torch.cuda.Event()
+            self.copied.record()
+
+
+class PaddedInputs:
+    """The static inputs of one key: a table [roots | positions | context lengths | page ids (lanes x pages)] of
+    int64, filled with one copy; context keys/values, one [2 (keys, values), layers, lanes, length, kv_heads,
+    head_dim] tensor (per-layer views in `context`); valid [lanes, length]. pages: 0 for inputs that `fill`
+    copies a gathered context into, else the page width `gather` reads through the table."""
+
+    def __init__(self, lanes: int, kv: Tensor, pages: int = 0):
+        device, length = kv.device, kv.shape[3]
+        self.table = torch.zeros(lanes * (3 + pages), dtype=torch.long, device=device)
+        self.roots, self.positions, self.lengths = self.table[:3 * lanes].view(3, lanes).unbind(0)
+        self.pages = self.table[3 * lanes:].view(lanes, pages)
+        self.kv = kv
         self.valid = torch.zeros(lanes, length, dtype=torch.bool, device=device)
-        self.context = DraftContext(keys, values, self.valid)
+        self.slot_index = torch.arange(length, device=device)
+        self.context = DraftContext(list(kv[0].unbind(0)), list(kv[1].unbind(0)), self.valid)
 
     @staticmethod
     def allocate(lanes: int, like: DraftContext, arena: Optional[Arena] = None) -> "PaddedInputs":
         """Inputs for `lanes` rows of contexts shaped like `like` (keys/values from `arena`: fresh by default)."""
         k = like.keys[0]
-        layers = len(like.keys)
-        kv = (arena or Arena(k.device)).take([(lanes, like.length, *k.shape[2:])] * (2 * layers), k.dtype)
-        return PaddedInputs(lanes, like.length, kv[:layers], kv[layers:])
+        kv = (arena or Arena(k.device)).take([(2, len(like.keys), lanes, like.length, *k.shape[2:])], k.dtype)
+        return PaddedInputs(lanes, kv[0])
+
+    @staticmethod
+    def for_pages(lanes: int, pages: int, contexts: PagedDraftContext, arena: Arena) -> "PaddedInputs":
+        """Inputs that gather `pages` pages per lane from `contexts`' pool."""
+        pool = contexts.pool
+        shape = (2, pool.shape[0], lanes, pages * contexts.page_size, *pool.shape[4:])
+        return PaddedInputs(lanes, arena.take([shape], pool.dtype)[0], pages)
 
     @property
     def lanes(self) -> int:
         return self.roots.shape[0]
+
+    def fill_table(self, contexts: PagedDraftContext, seq_ids: list[int], roots: np.ndarray,
+                   root_pos: np.ndarray, staging: HostStaging) -> None:
+        """The table for the batch (lanes B.. root 0, position 0, no context), with one copy."""
+        lanes, b = self.lanes, len(seq_ids)
+        host = staging.take(self.table.numel())
+        host[:b], host[lanes:lanes + b] = roots, root_pos
+        contexts.fill_table(seq_ids, host[2 * lanes:3 * lanes], host[3 * lanes:].reshape(lanes, -1))
+        staging.upload(self.table)
+
+    def gather(self, contexts: PagedDraftContext) -> None:
+        contexts.gather_into(self.lengths, self.pages, self.kv, self.valid, self.slot_index)
 
     def fill(self, roots: Tensor, root_pos: Tensor, ctx: DraftContext) -> None:
         """Rows [:B] from the batch; lanes B.. get root 0, position 0 and no visible context."""
@@ -125,14 +183,18 @@ def draft_padded(drafter: DominoDrafter, roots: Tensor, root_pos: Tensor, ctx: D
 
 class KeyGraph:
     """One key's static inputs and outputs and its CUDA graph (None: `replay` reruns the pass eagerly on the
-    static buffers, as the graph would; for CPU tests)."""
+    static buffers, as the graph would; for CPU tests). source: the pool_id the key gathers from (None: `run`'s
+    inputs, filled by copies)."""
 
-    def __init__(self, inputs: PaddedInputs, hidden: Tensor, base_logits: Tensor):
-        self.inputs, self.hidden, self.base_logits = inputs, hidden, base_logits
+    def __init__(self, inputs: PaddedInputs, hidden: Tensor, base_logits: Tensor, source: Optional[int] = None):
+        self.inputs, self.hidden, self.base_logits, self.source = inputs, hidden, base_logits, source
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.replays = 0
 
-    def body(self, drafter: DominoDrafter, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+    def body(self, drafter: DominoDrafter, embed_weight: Tensor, lm_head_weight: Tensor,
+             contexts: Optional[PagedDraftContext] = None) -> None:
+        if contexts is not None:
+            self.inputs.gather(contexts)
         block = self.inputs.draft(drafter, embed_weight, lm_head_weight)
         # checked while capturing (host only): copy_ would silently cast or broadcast
         assert block.hidden.dtype == self.hidden.dtype and block.hidden.shape == self.hidden.shape
@@ -156,6 +218,7 @@ class DrafterGraphs:
         self.inputs_arena, self.outputs_arena = Arena(self.device), Arena(self.device)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[tuple[int, int], KeyGraph] = {}
+        self.staging = HostStaging(self.device)
         self.eager_runs = 0
 
     def key(self, batch: int, length: int) -> Optional[tuple[int, int]]:
@@ -171,32 +234,66 @@ class DrafterGraphs:
         the next `run` overwrites."""
         b = roots.shape[0]
         key = self.key(b, ctx.length)
-        entry = self.graphs.get(key) if key is not None else None
-        if entry is None and key is not None and len(self.graphs) < self.max_graphs:
-            entry = self.graphs[key] = self._capture(key, ctx)
-            if len(self.graphs) == self.max_graphs:
-                log.info("drafter graphs: %d keys captured; new keys run eagerly", self.max_graphs)
+        entry = self._entry(key, None, lambda lanes: PaddedInputs.allocate(lanes, ctx, self.inputs_arena))
         if entry is None:
             self.eager_runs += 1
             return self.drafter.draft(roots, root_pos, ctx, self.embed_weight, self.lm_head_weight)
         entry.inputs.fill(roots, root_pos, ctx)
+        return self._replay(entry, b)
+
+    @torch.inference_mode()
+    def run_paged(self, contexts: PagedDraftContext, seq_ids: list[int], roots: np.ndarray,
+                  root_pos: np.ndarray) -> tuple[DraftBlock, Tensor]:
+        """`drafter.draft` over `contexts.gather(seq_ids)`, gathered inside the key's graph from a table uploaded
+        with one copy. Returns the block and the roots on the device; from a graph both are views of static
+        buffers that the next run overwrites."""
+        b = len(seq_ids)
+        pages = contexts.page_bucket(seq_ids)
+        key = self.key(b, pages * contexts.page_size)
+        entry = self._entry(key, contexts, lambda lanes: PaddedInputs.for_pages(lanes, pages, contexts,
+                                                                               self.inputs_arena))
+        if entry is None:
+            self.eager_runs += 1
+            dev = to_device(np.stack([roots, root_pos]), self.device)
+            ctx = contexts.gather(seq_ids)
+            return self.drafter.draft(dev[0], dev[1], ctx, self.embed_weight, self.lm_head_weight), dev[0]
+        entry.inputs.fill_table(contexts, seq_ids, roots, root_pos, self.staging)
+        return self._replay(entry, b, contexts), entry.inputs.roots[:b]
+
+    def _entry(self, key: Optional[tuple[int, int]], contexts: Optional[PagedDraftContext],
+               inputs) -> Optional[KeyGraph]:
+        """The key's graph, captured over inputs(lanes) on first use, and again when the pool it gathers from has
+        moved; None: the pass runs eagerly."""
+        entry = self.graphs.get(key) if key is not None else None
+        source = contexts.pool_id if contexts is not None else None
+        if entry is not None and entry.source == source:
+            return entry
+        if key is None or (entry is None and len(self.graphs) >= self.max_graphs):
+            return None
+        entry = self.graphs[key] = self._capture(key, inputs(key[0]), contexts)
+        if len(self.graphs) == self.max_graphs:
+            log.info("drafter graphs: %d keys captured; new keys run eagerly", self.max_graphs)
+        return entry
+
+    def _replay(self, entry: KeyGraph, b: int, contexts: Optional[PagedDraftContext] = None) -> DraftBlock:
         if entry.graph is not None:
             entry.graph.replay()
         else:
-            entry.body(self.drafter, self.embed_weight, self.lm_head_weight)
+            entry.body(self.drafter, self.embed_weight, self.lm_head_weight, contexts)
         entry.replays += 1
         return DraftBlock(entry.hidden[:b], entry.base_logits[:b])
 
-    def _capture(self, key: tuple[int, int], like: DraftContext) -> KeyGraph:
+    def _capture(self, key: tuple[int, int], inputs: PaddedInputs,
+                 contexts: Optional[PagedDraftContext] = None) -> KeyGraph:
+        """A key's graph over `inputs` (all lanes padding until filled); contexts: the pool it gathers from."""
         lanes, _ = key
-        inputs = PaddedInputs.allocate(lanes, like, self.inputs_arena)     # all lanes padding until filled
         s, vocab = self.drafter.cfg.block_size, self.lm_head_weight.shape[0]
         outputs = self.outputs_arena.take([(lanes, s, self.drafter.cfg.hidden_size), (lanes, s, vocab)],
                                           self.drafter.backbone.mask_embedding.dtype)
-        entry = KeyGraph(inputs, *outputs)
+        entry = KeyGraph(inputs, *outputs, contexts.pool_id if contexts is not None else None)
         if not self.use_graphs:
             return entry
-        args = (self.drafter, self.embed_weight, self.lm_head_weight)
+        args = (self.drafter, self.embed_weight, self.lm_head_weight, contexts)
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
