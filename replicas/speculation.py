@@ -10,6 +10,10 @@ What a speculative engine pays when it does not draft: with a policy that never 
 nothing at all, the engine runs as a plain one (plain decode graphs, no aux outputs, no context work). Otherwise
 a step that does not draft records its rows (a few numpy calls) and the drafter's context projection runs once
 per round, over every row observed since the last one (speculative/context_cache.py, PendingObservations).
+
+On CUDA a round's draft side is a few copies and graph replays: the context update padded to a row bucket
+(speculative/context_graphs.py), then the context gather and the drafter pass in one graph per (batch, context)
+bucket (speculative/drafter_graphs.py, `run_paged`). TIDAL_DRAFTER_GRAPHS=0, and CPU, run both eagerly.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from replicas.step_input import TreeRow
 from speculative.baselines import METHODS, make_builder
 from replicas.transfer import to_device
 from speculative.context_cache import PagedDraftContext, PendingObservations
+from speculative.context_graphs import FlushGraphs, flush_eager
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.drafter_graphs import DrafterGraphs, graphs_enabled
@@ -35,7 +40,9 @@ from speculative.tree_gpu import GraphTreeBuilder
 
 class Speculator:
     def __init__(self, drafter: DominoDrafter, method: str, budget: int, embed_weight: Tensor,
-                 lm_head_weight: Tensor, vocab_size: int, max_num_seqs: int):
+                 lm_head_weight: Tensor, vocab_size: int, max_num_seqs: int, static_shapes: Optional[bool] = None):
+        """static_shapes: the context update and the drafter pass on padded static buffers, replayed from CUDA
+        graphs on CUDA (default: on CUDA unless TIDAL_DRAFTER_GRAPHS=0); True on CPU runs that path eagerly."""
         self.drafter = drafter.eval()
         self.cfg: DrafterConfig = drafter.cfg
         self.method = method
@@ -56,10 +63,13 @@ class Speculator:
         self.contexts = PagedDraftContext(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, embed_weight.dtype,
                                           embed_weight.device, num_pages=max(64, 2 * max_num_seqs))
         self._pending = PendingObservations(self._aux_order)
-        # CUDA: the drafter pass replays a graph per (batch bucket, context bucket), captured on first use
-        # (TIDAL_DRAFTER_GRAPHS=0: eager); on CPU it is the eager call
-        self.drafter_graphs = DrafterGraphs(self.drafter, embed_weight, lm_head_weight) \
-            if embed_weight.device.type == "cuda" and graphs_enabled() else None
+        # CUDA: the context update replays a graph per row bucket, the gather and drafter pass a graph per
+        # (batch bucket, context bucket), captured on first use
+        if static_shapes is None:
+            static_shapes = embed_weight.device.type == "cuda" and graphs_enabled()
+        self.drafter_graphs = DrafterGraphs(self.drafter, embed_weight, lm_head_weight) if static_shapes else None
+        self.flush_graphs = FlushGraphs(self.drafter.backbone, embed_weight.dtype, embed_weight.device,
+                                        pool=self.drafter_graphs.pool) if static_shapes else None
 
     @staticmethod
     def create(config: EngineConfig, model_config: ModelConfig, runner) -> "Speculator":
@@ -165,17 +175,12 @@ class Speculator:
     @torch.inference_mode()
     def flush(self) -> None:
         """Project every pending row's hidden states into drafter context K/V (one batched pass) and store them."""
-        taken = self._pending.take()
-        if taken is None:
+        if self.flush_graphs is not None:
+            self.flush_graphs.flush(self.contexts, self._pending)
             return
-        hidden, seq_ids, positions = taken
-        slots, keep = self.contexts.reserve_rows(seq_ids, positions)
-        if not keep.all():                                   # a recompute overwrote slots within this flush
-            hidden, slots, positions = hidden[to_device(np.flatnonzero(keep), hidden.device)], slots[keep], \
-                positions[keep]
-        packed = to_device(np.stack([positions, slots]), self.contexts.device)
-        ctx = self.drafter.backbone.context(hidden[None].to(self.embed_weight.dtype), packed[0][None])
-        self.contexts.write(packed[1], ctx)
+        taken = self._pending.take()
+        if taken is not None:
+            flush_eager(self.drafter.backbone, self.contexts, *taken, self.embed_weight.dtype)
 
     def forget(self, seq: Sequence) -> None:
         self._pending.forget(seq.seq_id)
@@ -186,15 +191,17 @@ class Speculator:
     def propose(self, seqs: list[Sequence], n: int) -> tuple[DraftTree, list[TreeRow]]:
         """One draft tree of n nodes per sequence, rooted at its last (uncomputed) token."""
         # The labels name the round's parts for torch.profiler (bench/draft_round.py); they cost ~1 us when off.
+        # With static shapes, the context gather is part of the drafter pass's graph.
+        host = np.asarray([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs]], dtype=np.int64)
+        seq_ids = [s.seq_id for s in seqs]
         with record_function("draft:context"):
-            roots, root_pos = to_device(np.asarray([[s.last_token_id for s in seqs],
-                                                    [s.num_tokens - 1 for s in seqs]], dtype=np.int64),
-                                        self.embed_weight.device)
             self.flush()
-            context = self.contexts.gather([s.seq_id for s in seqs])
+            if self.drafter_graphs is None:
+                roots, root_pos = to_device(host, self.embed_weight.device)
+                context = self.contexts.gather(seq_ids)
         with record_function("draft:drafter"):
-            if self.drafter_graphs is not None:         # the block is the graph's static output until the next run
-                block = self.drafter_graphs.run(roots, root_pos, context)
+            if self.drafter_graphs is not None:         # block and roots are static buffers until the next run
+                block, roots = self.drafter_graphs.run_paged(self.contexts, seq_ids, host[0], host[1])
             else:
                 block = self.drafter.draft(roots, root_pos, context, self.embed_weight, self.lm_head_weight)
             base = block.base_logits[..., :self.vocab_size]

@@ -221,8 +221,13 @@ class PendingObservations:
 
     def take(self) -> Optional[tuple[Tensor, np.ndarray, np.ndarray]]:
         """(hidden [R, layers * hidden], seq_ids [R], positions [R]) of every live held row; empties the log."""
+        return self.join(self.take_segments())
+
+    @staticmethod
+    def join(segments: list) -> Optional[tuple[Tensor, np.ndarray, np.ndarray]]:
+        """`take`'s answer from `take_segments`' (None for no rows)."""
         parts, ids, positions = [], [], []
-        for aux, rows, sid, pos in self.take_segments():
+        for aux, rows, sid, pos in segments:
             hidden = torch.cat(aux, -1)
             parts.append(hidden if rows is None else hidden[to_device(rows, hidden.device)])
             ids.append(sid)
