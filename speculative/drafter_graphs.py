@@ -25,9 +25,8 @@ the next `run` of any key (`Speculator.propose` consumes them before its next ro
 
 Eager instead of a graph: a batch above `max_batch`, a key whose padded context (batch x length) needs more than
 `max_input_bytes` of keys/values (a bound on the memory held, which the KV pool was sized without; such passes
-are long enough that launches matter less), and new keys once `max_graphs` are captured (captured graphs are
-never evicted). A capture (first use of a key) synchronises the device and empties the allocator's cache, as
-`torch.cuda.graph` does.
+are long enough that launches matter less), and new keys once `max_graphs` are captured (never evicted). A
+capture synchronises the device and empties the allocator's cache, as `torch.cuda.graph` does.
 """
 from __future__ import annotations
 
@@ -270,10 +269,10 @@ class DrafterGraphs:
             return entry
         if key is None or (entry is None and len(self.graphs) >= self.max_graphs):
             return None
-        entry = self.graphs[key] = self._capture(key, inputs(key[0]), contexts)
-        if len(self.graphs) == self.max_graphs:
+        self.graphs[key] = self._capture(key, inputs(key[0]), contexts)
+        if entry is None and len(self.graphs) == self.max_graphs:
             log.info("drafter graphs: %d keys captured; new keys run eagerly", self.max_graphs)
-        return entry
+        return self.graphs[key]
 
     def _replay(self, entry: KeyGraph, b: int, contexts: Optional[PagedDraftContext] = None) -> DraftBlock:
         if entry.graph is not None:
