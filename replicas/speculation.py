@@ -11,9 +11,11 @@ nothing at all, the engine runs as a plain one (plain decode graphs, no aux outp
 a step that does not draft records its rows (a few numpy calls) and the drafter's context projection runs once
 per round, over every row observed since the last one (speculative/context_cache.py, PendingObservations).
 
-On CUDA a round's draft side is a few copies and graph replays: the context update padded to a row bucket
-(speculative/context_graphs.py), then the context gather and the drafter pass in one graph per (batch, context)
-bucket (speculative/drafter_graphs.py, `run_paged`). TIDAL_DRAFTER_GRAPHS=0, and CPU, run both eagerly.
+On CUDA the drafter pass replays a graph per (batch, context) bucket (speculative/drafter_graphs.py, `run`);
+the context update and gather run eagerly. With static shapes (TIDAL_STATIC_DRAFT=1, not yet run on a GPU) a
+round is a few copies and graph replays: the context update padded to a row bucket
+(speculative/context_graphs.py), then the gather and the drafter pass in one graph (`run_paged`).
+TIDAL_DRAFTER_GRAPHS=0, and CPU, run everything eagerly.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from speculative.context_cache import PagedDraftContext, PendingObservations
 from speculative.context_graphs import FlushGraphs, flush_eager
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
-from speculative.drafter_graphs import DrafterGraphs, graphs_enabled
+from speculative.drafter_graphs import DrafterGraphs, graphs_enabled, static_draft_enabled
 from speculative.tree import DraftTree, gate_table, prepare_round
 from speculative.tree_gpu import GraphTreeBuilder
 
@@ -42,7 +44,7 @@ class Speculator:
     def __init__(self, drafter: DominoDrafter, method: str, budget: int, embed_weight: Tensor,
                  lm_head_weight: Tensor, vocab_size: int, max_num_seqs: int, static_shapes: Optional[bool] = None):
         """static_shapes: the context update and the drafter pass on padded static buffers, replayed from CUDA
-        graphs on CUDA (default: on CUDA unless TIDAL_DRAFTER_GRAPHS=0); True on CPU runs that path eagerly."""
+        graphs on CUDA (default: TIDAL_STATIC_DRAFT=1 on CUDA); True on CPU runs that path eagerly."""
         self.drafter = drafter.eval()
         self.cfg: DrafterConfig = drafter.cfg
         self.method = method
@@ -63,11 +65,14 @@ class Speculator:
         self.contexts = PagedDraftContext(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, embed_weight.dtype,
                                           embed_weight.device, num_pages=max(64, 2 * max_num_seqs))
         self._pending = PendingObservations(self._aux_order)
-        # CUDA: the context update replays a graph per row bucket, the gather and drafter pass a graph per
-        # (batch bucket, context bucket), captured on first use
+        # CUDA: the drafter pass (with static shapes also the gather) replays a graph per (batch bucket, context
+        # bucket), the context update one per row bucket with static shapes; captured on first use
+        graphs = embed_weight.device.type == "cuda" and graphs_enabled()
         if static_shapes is None:
-            static_shapes = embed_weight.device.type == "cuda" and graphs_enabled()
-        self.drafter_graphs = DrafterGraphs(self.drafter, embed_weight, lm_head_weight) if static_shapes else None
+            static_shapes = graphs and static_draft_enabled()
+        self.static_shapes = static_shapes
+        self.drafter_graphs = DrafterGraphs(self.drafter, embed_weight, lm_head_weight) \
+            if static_shapes or graphs else None
         self.flush_graphs = FlushGraphs(self.drafter.backbone, embed_weight.dtype, embed_weight.device,
                                         pool=self.drafter_graphs.pool) if static_shapes else None
 
@@ -196,12 +201,14 @@ class Speculator:
         seq_ids = [s.seq_id for s in seqs]
         with record_function("draft:context"):
             self.flush()
-            if self.drafter_graphs is None:
+            if not self.static_shapes:
                 roots, root_pos = to_device(host, self.embed_weight.device)
                 context = self.contexts.gather(seq_ids)
-        with record_function("draft:drafter"):
-            if self.drafter_graphs is not None:         # block and roots are static buffers until the next run
+        with record_function("draft:drafter"):              # a graph's block (and roots) live until its next run
+            if self.static_shapes:
                 block, roots = self.drafter_graphs.run_paged(self.contexts, seq_ids, host[0], host[1])
+            elif self.drafter_graphs is not None:
+                block = self.drafter_graphs.run(roots, root_pos, context)
             else:
                 block = self.drafter.draft(roots, root_pos, context, self.embed_weight, self.lm_head_weight)
             base = block.base_logits[..., :self.vocab_size]

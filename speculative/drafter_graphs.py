@@ -49,8 +49,17 @@ ENV_SWITCH = "TIDAL_DRAFTER_GRAPHS"       # "0": the drafter pass runs eagerly
 WARMUP_RUNS = 2                           # before a capture, on a side stream (lazy cuBLAS / attention set-up)
 
 
+STATIC_SWITCH = "TIDAL_STATIC_DRAFT"      # "1": the whole draft side on static shapes (run_paged + flush graphs)
+
+
 def graphs_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def static_draft_enabled() -> bool:
+    """Opt-in until its graphs have run on a GPU; the default CUDA path graphs the drafter pass only (`run`),
+    which the H200 has verified."""
+    return os.environ.get(STATIC_SWITCH, "0") == "1"
 
 
 def padded_batch(batch: int, max_batch: int = 256) -> Optional[int]:

@@ -2,8 +2,8 @@
 drafts, round after round, what the same padded code drafts eagerly (the pool bit for bit, the trees token for
 token), and the eager speculator's trees, over rounds with growing contexts, prefill chunks, forgotten
 sequences, changing batches, pool growth (graphs captured again) and a flush above `max_rows` (eager); the gather
-inside a drafter graph copies exactly what `PagedDraftContext.gather` gives; TIDAL_DRAFTER_GRAPHS=0 turns both
-off."""
+inside a drafter graph copies exactly what `PagedDraftContext.gather` gives; the switches (TIDAL_DRAFTER_GRAPHS,
+TIDAL_STATIC_DRAFT)."""
 import random
 from types import SimpleNamespace
 
@@ -70,7 +70,7 @@ class Traffic:
         new = [s for s in batch if s.num_tokens == 1]
         if new:                                         # one prefill step: every row (100 rows: an eager flush)
             sizes = [100 if index == 7 else rng.randint(5, 40) for _ in new]
-            aux, start = self.aux(sum(sizes)), 0
+            aux = self.aux(sum(sizes))
             ids = np.repeat([s.seq_id for s in new], sizes)
             positions = np.concatenate([np.arange(n) for n in sizes])
             for spec in self.specs:
@@ -136,13 +136,18 @@ def test_the_gather_inside_a_drafter_graph_copies_what_gather_gives():
         assert inputs.roots[:b].tolist() == [s.last_token_id for s in batch]
 
 
-def test_the_switch_turns_both_off(monkeypatch):
+def test_the_switches(monkeypatch):
+    """TIDAL_DRAFTER_GRAPHS=0: all eager; default: the drafter pass graphed; TIDAL_STATIC_DRAFT=1: both."""
     drafter = DominoDrafter(CFG).to(DEV)
     embed = torch.randn(CFG.vocab_size, CFG.hidden_size, device=DEV)
+    monkeypatch.delenv("TIDAL_STATIC_DRAFT", raising=False)
     monkeypatch.setenv("TIDAL_DRAFTER_GRAPHS", "0")
     spec = Speculator(drafter, "dominotree", 8, embed, embed, CFG.vocab_size, max_num_seqs=4)
     assert spec.flush_graphs is None and spec.drafter_graphs is None
     monkeypatch.delenv("TIDAL_DRAFTER_GRAPHS")
+    spec = Speculator(drafter, "dominotree", 8, embed, embed, CFG.vocab_size, max_num_seqs=4)
+    assert spec.flush_graphs is None and spec.drafter_graphs.use_graphs and not spec.static_shapes
+    monkeypatch.setenv("TIDAL_STATIC_DRAFT", "1")
     spec = Speculator(drafter, "dominotree", 8, embed, embed, CFG.vocab_size, max_num_seqs=4)
     assert spec.flush_graphs.use_graphs and spec.drafter_graphs.use_graphs
     assert spec.flush_graphs.pool is spec.drafter_graphs.pool                  # one graph memory pool
