@@ -1,10 +1,21 @@
 """What the engine hands back per request."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Optional
 
 
+def positional_pickling(cls):
+    """Pickle instances as the constructor call with their fields in order: ~3x faster to load than the default
+    state dict, and a third smaller. Every step's outputs cross the engine core's pipe, and the serving process's
+    reader thread loads them while it shares a GIL with the HTTP side."""
+    fields_of = attrgetter(*(f.name for f in fields(cls)))
+    cls.__reduce__ = lambda self: (cls, fields_of(self))
+    return cls
+
+
+@positional_pickling
 @dataclass
 class Logprob:
     logprob: float
@@ -12,6 +23,7 @@ class Logprob:
     decoded_token: str = ""
 
 
+@positional_pickling
 @dataclass
 class CompletionOutput:
     """On the output that finishes a sequence, `text`, `token_ids` and `logprobs` are the whole output;
@@ -31,6 +43,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@positional_pickling
 @dataclass
 class RequestOutput:
     request_id: str
