@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.serve_overhead import direct_config, main, serve_flags
+from bench.serve_overhead import direct_config, main, over_repeats, serve_flags
 from cluster.app import AppArgs, engine_config
 from cluster.serve_cmd import _engine_kwargs, add_serve_parser
 
@@ -52,3 +52,16 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "replica port" in table
     assert "added median TTFT" in table and "serve" in table and "direct" in table
+
+
+def test_repeats_report_the_medians_and_every_run():
+    def run(ttft_idle, ttft_loaded, tok_s):
+        return {"idle": {"ttft_ms": {"median": ttft_idle}}, "loaded": {"ttft_ms": {"median": ttft_loaded},
+                                                                      "output_tok_s": tok_s}}
+    direct = run(10.0, 20.0, 1000.0)
+    res = over_repeats([run(12.0, 30.0, 950.0), run(30.0, 90.0, 500.0), run(14.0, 40.0, 900.0)], direct, 64)
+    assert res["added_median_ttft_ms_c1"] == 4.0 and res["added_median_ttft_ms_c64"] == 20.0
+    assert res["throughput_ratio_64"] == 0.9 and res["meets_targets"] == {"added_median_ttft_ms_c1": True,
+                                                                          "throughput_ratio_64": True}
+    assert [e["throughput_ratio_64"] for e in res["each_repeat"]] == [0.95, 0.5, 0.9]
+
