@@ -35,6 +35,11 @@ from speculative.drafter import DraftContext
 _POOL_IDS = itertools.count()
 
 
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the buckets that keep the draft side's shapes few."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 class PagedDraftContext:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  page_size: int = 32, num_pages: int = 64):
@@ -140,7 +145,7 @@ class PagedDraftContext:
         matters on CUDA: every new attention shape costs a fresh kernel plan (~60 ms on the H200 when it was the
         exact longest length, i.e. every round), buckets keep the shapes to a handful."""
         longest = max((self.length(s) for s in seq_ids), default=0)
-        return 1 << max(0, -(-longest // self.page_size) - 1).bit_length()
+        return next_power_of_two(-(-longest // self.page_size))
 
     def fill_table(self, seq_ids: list[int], lengths: np.ndarray, pages: np.ndarray) -> None:
         """Host half of a gather: rows [:B] of `lengths` [lanes] and `pages` [lanes, width] get each sequence's

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from replicas.transfer import to_device
-from speculative.context_cache import PagedDraftContext, PendingObservations
+from speculative.context_cache import PagedDraftContext, PendingObservations, next_power_of_two
 from speculative.drafter import BlockDrafter
-from speculative.drafter_graphs import WARMUP_RUNS, Arena, HostStaging
+from speculative.graph_buffers import Arena, HostStaging, capture_graph
 
 
 def flush_eager(backbone: BlockDrafter, contexts: PagedDraftContext, hidden: Tensor, seq_ids: np.ndarray,
@@ -95,7 +95,7 @@ class FlushGraphs:
 
     def bucket(self, rows: int) -> Optional[int]:
         """The padded row count for `rows` rows, or None above `max_rows` (eager)."""
-        return max(self.min_rows, 1 << max(0, rows - 1).bit_length()) if rows <= self.max_rows else None
+        return max(self.min_rows, next_power_of_two(rows)) if rows <= self.max_rows else None
 
     @torch.inference_mode()
     def flush(self, contexts: PagedDraftContext, pending: PendingObservations) -> None:
@@ -139,14 +139,5 @@ class FlushGraphs:
         entry = self.buckets[size] = FlushBucket(size, hidden, contexts)
         if not self.use_graphs:
             return entry
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                entry.body(self.backbone, contexts)
-        current.wait_stream(side)
-        entry.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.graph, pool=self.pool):
-            entry.body(self.backbone, contexts)
+        entry.graph = capture_graph(lambda: entry.body(self.backbone, contexts), self.device, self.pool)
         return entry

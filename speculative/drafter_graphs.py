@@ -31,7 +31,6 @@ capture synchronises the device and empties the allocator's cache, as `torch.cud
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Optional
 
@@ -40,13 +39,13 @@ import torch
 from torch import Tensor
 
 from replicas.transfer import to_device
-from speculative.context_cache import PagedDraftContext
+from speculative.context_cache import PagedDraftContext, next_power_of_two
 from speculative.drafter import DominoDrafter, DraftBlock, DraftContext
+from speculative.graph_buffers import Arena, HostStaging, capture_graph
 
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "TIDAL_DRAFTER_GRAPHS"       # "0": the drafter pass runs eagerly
-WARMUP_RUNS = 2                           # before a capture, on a side stream (lazy cuBLAS / attention set-up)
 
 
 STATIC_SWITCH = "TIDAL_STATIC_DRAFT"      # "1": the whole draft side on static shapes (run_paged + flush graphs)
@@ -64,53 +63,8 @@ def static_draft_enabled() -> bool:
 
 def padded_batch(batch: int, max_batch: int = 256) -> Optional[int]:
     """The next power of two >= batch, or None above `max_batch`."""
-    lanes = 1 << max(0, batch - 1).bit_length()
+    lanes = next_power_of_two(batch)
     return lanes if 0 < batch and lanes <= max_batch else None
-
-
-class Arena:
-    """Flat buffers (one per dtype) that keys carve their tensors from, each from offset 0. A buffer too small is
-    replaced by one at least twice its size; keys carved earlier keep theirs, so all generations together hold at
-    most twice the newest."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buffers: dict[torch.dtype, Tensor] = {}
-
-    def take(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[Tensor]:
-        sizes = [math.prod(s) for s in shapes]
-        need = sum(sizes)
-        buf = self.buffers.get(dtype)
-        if buf is None or buf.numel() < need:
-            size = max(need, 2 * buf.numel()) if buf is not None else need
-            buf = self.buffers[dtype] = torch.zeros(size, dtype=dtype, device=self.device)
-        return [part.view(shape) for part, shape in zip(buf[:need].split(sizes), shapes)]
-
-
-class HostStaging:
-    """A host buffer for one host->device copy per use, reused while its last copy is done; pinned on CUDA, where
-    the copy is asynchronous. A buffer whose copy may still be pending is dropped for a new one, never waited for
-    (the caching host allocator keeps it until the copy has read it)."""
-
-    def __init__(self, device: torch.device):
-        self.pinned = device.type == "cuda"
-        self.buffer = torch.zeros(0, dtype=torch.long)
-        self.copied: Optional[torch.cuda.Event] = None
-
-    def take(self, n: int) -> np.ndarray:
-        """n zeroed int64 entries to fill, then `upload`."""
-        if self.buffer.numel() < n or (self.copied is not None and not self.copied.query()):
-            self.buffer = torch.empty(max(n, self.buffer.numel()), dtype=torch.long, pin_memory=self.pinned)
-        host = self.buffer[:n].numpy()
-        host.fill(0)
-        return host
-
-    def upload(self, dst: Tensor) -> None:
-        """dst (int64, contiguous) <- the first dst.numel() entries."""
-        dst.copy_(self.buffer[:dst.numel()], non_blocking=self.pinned)
-        if self.pinned:
-            self.copied = self.copied or torch.cuda.Event()
-            self.copied.record()
 
 
 class PaddedInputs:
@@ -183,7 +137,7 @@ def draft_padded(drafter: DominoDrafter, roots: Tensor, root_pos: Tensor, ctx: D
     two), rows [:B]: the computation a key's graph replays."""
     b = roots.shape[0]
     if inputs is None:
-        inputs = PaddedInputs.allocate(1 << max(0, b - 1).bit_length(), ctx)
+        inputs = PaddedInputs.allocate(next_power_of_two(b), ctx)
     inputs.fill(roots, root_pos, ctx)
     block = inputs.draft(drafter, embed_weight, lm_head_weight)
     return DraftBlock(block.hidden[:b], block.base_logits[:b])
@@ -301,15 +255,6 @@ class DrafterGraphs:
         entry = KeyGraph(inputs, *outputs, contexts.pool_id if contexts is not None else None)
         if not self.use_graphs:
             return entry
-        args = (self.drafter, self.embed_weight, self.lm_head_weight, contexts)
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                entry.body(*args)
-        current.wait_stream(side)
-        entry.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(entry.graph, pool=self.pool):
-            entry.body(*args)
+        entry.graph = capture_graph(lambda: entry.body(self.drafter, self.embed_weight, self.lm_head_weight, contexts),
+                                    self.device, self.pool)
         return entry

