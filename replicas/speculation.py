@@ -11,11 +11,10 @@ nothing at all, the engine runs as a plain one (plain decode graphs, no aux outp
 a step that does not draft records its rows (a few numpy calls) and the drafter's context projection runs once
 per round, over every row observed since the last one (speculative/context_cache.py, PendingObservations).
 
-On CUDA the drafter pass replays a graph per (batch, context) bucket (speculative/drafter_graphs.py, `run`);
-the context update and gather run eagerly. With static shapes (TIDAL_STATIC_DRAFT=1, not yet run on a GPU) a
-round is a few copies and graph replays: the context update padded to a row bucket
-(speculative/context_graphs.py), then the gather and the drafter pass in one graph (`run_paged`).
-TIDAL_DRAFTER_GRAPHS=0, and CPU, run everything eagerly.
+On CUDA a round is a few copies and graph replays on static shapes: the context update padded to a row bucket
+(speculative/context_graphs.py), then the gather and the drafter pass in one graph per (batch, context) bucket
+(speculative/drafter_graphs.py, `run_paged`). TIDAL_STATIC_DRAFT=0 graphs only the drafter pass (`run`) and
+runs the context update and gather eagerly; TIDAL_DRAFTER_GRAPHS=0, and CPU, run everything eagerly.
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ class Speculator:
     def __init__(self, drafter: DominoDrafter, method: str, budget: int, embed_weight: Tensor,
                  lm_head_weight: Tensor, vocab_size: int, max_num_seqs: int, static_shapes: Optional[bool] = None):
         """static_shapes: the context update and the drafter pass on padded static buffers, replayed from CUDA
-        graphs on CUDA (default: TIDAL_STATIC_DRAFT=1 on CUDA); True on CPU runs that path eagerly."""
+        graphs on CUDA (default on CUDA unless TIDAL_STATIC_DRAFT=0); True on CPU runs that path eagerly."""
         self.drafter = drafter.eval()
         self.cfg: DrafterConfig = drafter.cfg
         self.method = method

@@ -137,7 +137,7 @@ def test_the_gather_inside_a_drafter_graph_copies_what_gather_gives():
 
 
 def test_the_switches(monkeypatch):
-    """TIDAL_DRAFTER_GRAPHS=0: all eager; default: the drafter pass graphed; TIDAL_STATIC_DRAFT=1: both."""
+    """TIDAL_DRAFTER_GRAPHS=0: all eager; TIDAL_STATIC_DRAFT=0: the drafter pass graphed; default: both."""
     drafter = DominoDrafter(CFG).to(DEV)
     embed = torch.randn(CFG.vocab_size, CFG.hidden_size, device=DEV)
     monkeypatch.delenv("TIDAL_STATIC_DRAFT", raising=False)
@@ -145,9 +145,10 @@ def test_the_switches(monkeypatch):
     spec = Speculator(drafter, "dominotree", 8, embed, embed, CFG.vocab_size, max_num_seqs=4)
     assert spec.flush_graphs is None and spec.drafter_graphs is None
     monkeypatch.delenv("TIDAL_DRAFTER_GRAPHS")
+    monkeypatch.setenv("TIDAL_STATIC_DRAFT", "0")
     spec = Speculator(drafter, "dominotree", 8, embed, embed, CFG.vocab_size, max_num_seqs=4)
     assert spec.flush_graphs is None and spec.drafter_graphs.use_graphs and not spec.static_shapes
-    monkeypatch.setenv("TIDAL_STATIC_DRAFT", "1")
+    monkeypatch.delenv("TIDAL_STATIC_DRAFT")
     spec = Speculator(drafter, "dominotree", 8, embed, embed, CFG.vocab_size, max_num_seqs=4)
     assert spec.flush_graphs.use_graphs and spec.drafter_graphs.use_graphs
     assert spec.flush_graphs.pool is spec.drafter_graphs.pool                  # one graph memory pool
