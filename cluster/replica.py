@@ -113,15 +113,11 @@ class EngineReplica(OpenAIRoutes):
                                 "retry later.", None, "overloaded")
             return
         param = "messages" if job.messages is not None else "prompt"
-        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id)
+        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id, pace=self._pace)
         started = False
         reported: set[int] = set()
         self._streams += 1
         try:
-            # One item per batch of engine outputs: each item is a Ray message to the proxy, so the outputs that
-            # queued up while the last one was sent travel together. Ray does not push back on a fast producer, so
-            # under load each stream also waits its share of the replica's item budget before taking the next
-            # batch: at 64 streams ~63 ms, the engine's steps meanwhile arriving as one item.
             async for outs in stream:
                 deltas = _merge([d for out in outs for d in _deltas(out, reported)])
                 if not started:
@@ -129,9 +125,6 @@ class EngineReplica(OpenAIRoutes):
                     yield StreamStart(self.replica_id, len(outs[0].prompt_token_ids), deltas)
                 elif deltas:
                     yield deltas
-                pace = (self._streams - 1) * STREAM_ITEM_SECONDS
-                if pace > 0 and not outs[-1].finished:        # a finished stream ends at once
-                    await asyncio.sleep(pace)
         except Exception as e:
             if started:
                 raise
@@ -144,6 +137,14 @@ class EngineReplica(OpenAIRoutes):
         finally:
             self._streams -= 1
             await stream.aclose()
+
+    def _pace(self) -> float:
+        """One item per batch of engine outputs: each item is a Ray message to the proxy, so the outputs that
+        queued up while the last one was sent travel together. Ray does not push back on a fast producer, so
+        under load each stream also waits its share of the replica's item budget before taking the next batch
+        (at 64 streams ~63 ms, the engine's steps meanwhile arriving as one item); a request's last output
+        ends the wait at once."""
+        return (self._streams - 1) * STREAM_ITEM_SECONDS
 
     @staticmethod
     def _prompt(job: GenerationJob) -> Union[str, list[int], ChatPrompt]:

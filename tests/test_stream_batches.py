@@ -42,3 +42,28 @@ def test_slow_consumer_gets_batches_with_the_same_tokens(tmp_path):
     assert [t for o in flat for t in o.outputs[0].delta_token_ids] == \
         [t for o in per_step for t in o.outputs[0].delta_token_ids]
     assert flat[-1].finished and len(flat[-1].outputs[0].token_ids) == 24
+
+
+def test_pacing_gathers_outputs_and_never_delays_the_last_one(tmp_path):
+    """A pace far longer than the request: the first output goes out at once, the rest arrive together as soon
+    as the last one is there (no wait for the pace to run out)."""
+    engine = AsyncLLMEngine(EngineConfig(model=make_tiny_llama(str(tmp_path / "m")), device="cpu"))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def run():
+        per_step = [o async for o in engine.generate([5, 6, 7], params, "steps")]
+        paced = engine.generate_batches([5, 6, 7], params, "paced", pace=lambda: 600.0)
+        batches = await asyncio.wait_for(_collect(paced), timeout=60)
+        return per_step, batches
+
+    try:
+        per_step, batches = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(batches) == 2 and batches[-1][-1].finished
+    assert [t for b in batches for o in b for t in o.outputs[0].delta_token_ids] == \
+        [t for o in per_step for t in o.outputs[0].delta_token_ids]
+
+
+async def _collect(stream) -> list:
+    return [batch async for batch in stream]
