@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import random
 import time
@@ -28,6 +29,7 @@ from bench.shapes import SHAPES, write_shape
 from bench.roofline import Ceilings, classify_step, cuda_time_ms, print_profile, profile_kernels
 from memory.block_manager import BlockManager
 from replicas import LLM, SamplingParams
+from replicas.layers.pdl import pdl_enabled
 from replicas.scheduler import ScheduledBatch
 from replicas.sequence import Sequence
 from replicas.step_input import StepInput
@@ -203,9 +205,12 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("replicas.layers.gemm_select").setLevel(logging.INFO)      # the per-shape GEMM choices
     torch.manual_seed(0)
     ceil = Ceilings.measure()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seed": 0,
+           "pdl": pdl_enabled(torch.device("cuda")),
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "method": __doc__.strip(), "shapes": {}}
     for shape in args.shapes.split(","):
