@@ -29,7 +29,6 @@ from bench.shapes import SHAPES, write_shape
 from bench.roofline import Ceilings, classify_step, cuda_time_ms, print_profile, profile_kernels
 from memory.block_manager import BlockManager
 from replicas import LLM, SamplingParams
-from replicas.layers.pdl import pdl_enabled
 from replicas.scheduler import ScheduledBatch
 from replicas.sequence import Sequence
 from replicas.step_input import StepInput
@@ -210,7 +209,6 @@ def main() -> None:
     torch.manual_seed(0)
     ceil = Ceilings.measure()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seed": 0,
-           "pdl": pdl_enabled(torch.device("cuda")),
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "method": __doc__.strip(), "shapes": {}}
     for shape in args.shapes.split(","):

@@ -20,7 +20,6 @@ import triton.language as tl
 from torch import Tensor
 
 from replicas.attention.spec import AttentionSpec
-from replicas.layers.pdl import launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634
 SPLIT_POLICIES = ("auto", "fill", "never")
@@ -76,9 +75,8 @@ def _decode_partial_kernel(
     num_splits, partition_size, scale_log2, window,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,9 +134,8 @@ def _decode_partial_kernel(
 def _decode_reduce_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -181,7 +178,6 @@ def paged_decode_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, se
     else:
         m = l = acc = out       # unused by the kernel without SPLIT
     block_d = max(16, triton.next_power_of_2(head_dim))
-    pdl = launch_kwargs(q.device)
     _decode_partial_kernel[(num_seqs, spec.num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -191,12 +187,12 @@ def paged_decode_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, se
         BLOCK_G=max(16, triton.next_power_of_2(spec.group_size)), BLOCK_N=tuning.block_n, BLOCK_D=block_d,
         SPLIT=splits > 1, HAS_WINDOW=spec.sliding_window is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        num_warps=tuning.num_warps, num_stages=tuning.num_stages, **pdl,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             m, l, acc, out, out.stride(0), out.stride(1), splits,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4, **pdl,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
         )
     return out

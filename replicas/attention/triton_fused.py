@@ -12,16 +12,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from replicas.layers.pdl import launch_kwargs, pdl_wait
-
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     stride_x0, stride_x1, inner_rows, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -60,7 +57,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Optional[Tensor] =
         x, residual if residual is not None else x, weight, out, new_residual,
         stride0, stride1, inner, n, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **launch_kwargs(x.device),
     )
     return out, new_residual
 
@@ -82,9 +78,8 @@ def _rotary_kernel(
     q_ptr, k_ptr, positions_ptr, cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -111,13 +106,12 @@ def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor)
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=rot // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_k_heads),
-        BLOCK_HALF=triton.next_power_of_2(rot // 2), num_warps=4, **launch_kwargs(q.device),
+        BLOCK_HALF=triton.next_power_of_2(rot // 2), num_warps=4,
     )
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n_inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n_inter, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
@@ -137,5 +131,5 @@ def silu_and_mul(x: Tensor) -> Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n_inter))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(n_inter, block))](x, out, x.stride(0), n_inter, BLOCK=block,
-                                                                     num_warps=4, **launch_kwargs(x.device))
+                                                                     num_warps=4)
     return out

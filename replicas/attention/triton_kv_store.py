@@ -5,8 +5,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from replicas.layers.pdl import launch_kwargs, pdl_wait
-
 
 @triton.jit
 def _store_kv_kernel(
@@ -14,9 +12,8 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)                  # before the early exit below, on every path
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:                       # padded lane of a CUDA graph: write nowhere
@@ -50,5 +47,5 @@ def store_kv(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> No
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1, **launch_kwargs(k.device),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

@@ -6,9 +6,6 @@ fastest-varying program index, so the programs sharing a weight tile run side by
 Split-K writes fp32 partials [split_k, M, N] to a workspace that one reduce kernel sums in split order
 (deterministic); with split_k == 1 the GEMM kernel writes y directly. Accumulation is always fp32.
 
-On Hopper the kernels launch with PDL (replicas/layers/pdl.py): a GEMM's programs start in the previous
-kernel's tail and ask L2 for their first weight tiles before they wait for x.
-
 CUDA-graph safe: the grid depends only on shapes, and the workspace is a plain `torch.empty` inside the call
 (a captured call takes it from the graph's pool).
 """
@@ -21,10 +18,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from replicas.layers.pdl import launch_kwargs, pdl_wait, prefetch_l2
-
-PREFETCH_BYTES = 512            # of each weight row, per program, requested before the wait for x
 
 
 @dataclass(frozen=True)
@@ -52,7 +45,6 @@ def _skinny_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -67,10 +59,6 @@ def _skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if USE_PDL and PREFETCH_LINES > 0:       # weights: written by no kernel of the step
-        lines = tl.minimum(k_lo + tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, K - 1)
-        prefetch_l2(w_ptr + cols_in[:, None] * stride_wn + lines[None, :])
-    pdl_wait(USE_PDL)
     x_ptrs = x_ptr + rows_in[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols_in[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -98,8 +86,7 @@ def _skinny_gemm_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_wait(USE_PDL)
+                           BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     size = M * N
     mask = offs < size
@@ -132,18 +119,15 @@ def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: S
     ws = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device) if split else y
     b = bias if bias is not None else y
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
-    pdl = launch_kwargs(x.device)
-    line_elems = 128 // weight.element_size()
-    lines = min(PREFETCH_BYTES // 128, triton.next_power_of_2(triton.cdiv(k_per_split, line_elems)))
     _skinny_gemm_kernel[grid](
         x2, weight, b, y, ws, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PREFETCH_LINES=lines, LINE_ELEMS=line_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, b, y, m, n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl)
+            ws, b, y, m, n, SPLIT_K=cfg.split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y.view(*lead, n)
