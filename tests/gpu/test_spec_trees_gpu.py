@@ -1,9 +1,10 @@
 """DominoTree on CUDA: the fused Triton frontier build (build_frontier) against the reference heap on 1,200
-random cases (ties, DDTree mode, budgets beyond the tree, batches up to 8), the torch frontier on the same Triton
-row math, SmolLM2-sized rounds in bf16, CUDA-graph replay per batch bucket and in slices above the largest bucket
-against the reference on the unpadded batch, the kernels per replayed round, and no host synchronisation in the
-eager round path (prepare, build, mask, accept)."""
+random cases from four kernel-shape families (ties, DDTree mode, budgets beyond the tree, batches 1-8), the torch
+frontier on the same Triton row math, SmolLM2-sized rounds in bf16, CUDA-graph replay per batch bucket and in
+slices above the largest bucket against the reference on the unpadded batch, the kernels per replayed round, and
+no host synchronisation in the eager round path (prepare, build, mask, accept)."""
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -29,25 +30,69 @@ def head_for(v, h, gru, rank, seed, scale=1.0, dtype=torch.float32) -> DominoHea
     return head.to(DEV, dtype)
 
 
+@dataclass(frozen=True)
+class ShapeFamily:
+    """Sizes a random case draws from. Triton compiles a kernel once per key: its constexprs (sizes padded to
+    powers of two and the block sizes derived from them), whether each integer argument is 1 or divisible by 16,
+    and whether each pointer is 16-byte aligned. A cold compile costs ~0.3-1 s, so every value in a field of a
+    family lands on the family's key: same next power of two, same == 1 and % 16 classes, also for the derived
+    sizes (depths = min(max_depth, steps), lanes = min(budget, node_topk ** max_depth), lanes x node_topk,
+    depths x lanes, steps x vocab and steps x hidden strides). The four families below compile 40 keys over
+    all kernels (Triton 3.9; one per kernel, family and mode, corrected or DDTree), while the values, seeds,
+    ties, scales, roots and batches vary per case."""
+    vocab: tuple[int, ...]
+    hidden: tuple[int, ...]
+    gru: tuple[int, ...]                 # multiples of 4: a request's root-state row stays 16-byte aligned
+    rank: tuple[int, ...]
+    steps: int
+    candidates: tuple[int, ...]
+    node_topk: tuple[int, ...]
+    max_depth: tuple[int, ...]
+    budget: tuple[int, ...]
+    uncorrected_depths: tuple[int, ...]
+
+
+# For every batch 1-8, batch x depths x vocab chunks (of 1024) is a multiple of 4: the round preparation's
+# per-chunk buffers keep one alignment.
+FAMILIES = (
+    # a chain (one child per node): one node or a budget beyond the tree, depth below the block, a 4-chunk
+    # odd vocabulary
+    ShapeFamily(vocab=(3089, 3517, 3999), hidden=(16, 48), gru=(20, 24, 28), rank=(5, 6, 7), steps=8,
+                candidates=(10, 12, 15), node_topk=(1,), max_depth=(5, 6, 7), budget=(1, 9, 11, 13, 15),
+                uncorrected_depths=(2, 3, 4)),
+    # two depths of a 16-step block, two children each: budgets far beyond the 6-node tree, all depths corrected
+    ShapeFamily(vocab=(1100, 1500, 2001), hidden=(16, 32, 64), gru=(48, 64), rank=(16,), steps=16,
+                candidates=(64,), node_topk=(2,), max_depth=(2,), budget=(16, 32, 48),
+                uncorrected_depths=(0,)),
+    # the serving default's shape: the whole vocabulary as candidates, full depth, budget 16
+    ShapeFamily(vocab=(64,), hidden=(32,), gru=(48, 64), rank=(16,), steps=16, candidates=(64,),
+                node_topk=(5, 6, 7, 8), max_depth=(16,), budget=(16,), uncorrected_depths=(1,)),
+    # a bushy tree cut by the budget, two, three or all four depths uncorrected
+    ShapeFamily(vocab=(301, 397, 509), hidden=(16, 32), gru=(24, 28), rank=(4,), steps=8, candidates=(20, 24, 30),
+                node_topk=(3, 4), max_depth=(4,), budget=(6, 7, 8), uncorrected_depths=(2, 3, 5)),
+)
+
+
 def random_case(seed: int):
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     ties = seed % 4 == 0
-    v, h, gru, rank, s = rng.choice([64, 97, 300]), rng.choice([16, 32]), rng.choice([8, 32, 64]), \
-        rng.choice([4, 16]), rng.choice([4, 8, 16])
+    fam = rng.choice(FAMILIES)
+    v, h, gru, rank, s = (rng.choice(fam.vocab), rng.choice(fam.hidden), rng.choice(fam.gru),
+                          rng.choice(fam.rank), fam.steps)
     head = head_for(v, h, gru, rank, seed, rng.choice([0.3, 1.0, 3.0]))
     if ties:
         for p in head.parameters():
             p.data = p.data.round() * rng.choice([0.0, 0.5])
-    b = rng.choice([1, 4, 8])
+    b = rng.randint(1, 8)
     hidden = torch.randn(b, s, h, generator=g).to(DEV)
     base = (torch.randn(b, s, v, generator=g) * rng.choice([1.0, 3.0])).to(DEV)
     if ties:
         base = base.round() + 0.0
     embed = torch.randn(v, h, generator=g).to(DEV)
     roots = torch.randint(0, v, (b,), generator=g).to(DEV)
-    tc = TreeConfig(budget=rng.choice([1, 6, 16, 32]), node_topk=rng.choice([1, 2, 4, 8]),
-                    candidates=rng.choice([8, 32, 64]), max_depth=rng.choice([2, s]),
-                    uncorrected_depths=rng.choice([0, 1, 2]), corrected=seed % 6 != 0)
+    tc = TreeConfig(budget=rng.choice(fam.budget), node_topk=rng.choice(fam.node_topk),
+                    candidates=rng.choice(fam.candidates), max_depth=rng.choice(fam.max_depth),
+                    uncorrected_depths=rng.choice(fam.uncorrected_depths), corrected=seed % 6 != 0)
     return head, hidden, base, roots, embed, tc
 
 
