@@ -32,10 +32,10 @@ from replicas.stats import EngineStats
 logger = logging.getLogger("tidal.replica")
 
 RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
-# The replica's stream-item budget: each of n streams sends at most one item per (n - 1) x this, so a replica
-# sends ~1,000 items/s however many streams it serves. Every item is a Ray message to the proxy, and Ray does
-# not push back on a fast producer (the H200 carried ~1,700 one-token items/s through two hops at 64 streams);
-# TIDAL_STREAM_ITEM_MS overrides it (0: no pacing).
+# The replica's stream-item budget: the engine core merges each of n streams' outputs for (n - 1) x this, so a
+# replica loads and sends ~1,000 items/s however many streams it serves. Every item is work on this process's
+# GIL and, through the front door, a Ray message to the proxy, which does not push back on a fast producer;
+# TIDAL_STREAM_ITEM_MS overrides it (0: an output per engine step).
 STREAM_ITEM_SECONDS = float(os.environ.get("TIDAL_STREAM_ITEM_MS", "1.0")) / 1e3
 
 
@@ -113,10 +113,11 @@ class EngineReplica(OpenAIRoutes):
                                 "retry later.", None, "overloaded")
             return
         param = "messages" if job.messages is not None else "prompt"
-        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id, pace=self._pace)
+        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id)
         started = False
         reported: set[int] = set()
         self._streams += 1
+        self._set_stream_interval()
         try:
             async for outs in stream:
                 deltas = _merge([d for out in outs for d in _deltas(out, reported)])
@@ -136,15 +137,17 @@ class EngineReplica(OpenAIRoutes):
                 raise
         finally:
             self._streams -= 1
+            self._set_stream_interval()
             await stream.aclose()
 
-    def _pace(self) -> float:
-        """One item per batch of engine outputs: each item is a Ray message to the proxy, so the outputs that
-        queued up while the last one was sent travel together. Ray does not push back on a fast producer, so
-        under load each stream also waits its share of the replica's item budget before taking the next batch
-        (at 64 streams ~63 ms, the engine's steps meanwhile arriving as one item); a request's last output
-        ends the wait at once."""
-        return (self._streams - 1) * STREAM_ITEM_SECONDS
+    def _set_stream_interval(self) -> None:
+        """Each stream's share of the replica's item budget: at 64 streams the engine core merges a request's
+        outputs for ~63 ms (its first and last go at once), so this process loads and sends ~16 items a second
+        per stream instead of one per engine step (replicas/stream_coalescer.py)."""
+        try:
+            self.engine.set_stream_interval((self._streams - 1) * STREAM_ITEM_SECONDS)
+        except OSError:             # the core is gone: the stream reports why
+            pass
 
     @staticmethod
     def _prompt(job: GenerationJob) -> Union[str, list[int], ChatPrompt]:

@@ -9,7 +9,7 @@ import logging
 import multiprocessing as mp
 import threading
 from concurrent.futures import Future
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Optional
 
 from replicas.config import EngineConfig
 from replicas.distributed.launch import ProcessLauncher, WorkerLauncher, free_port
@@ -51,11 +51,12 @@ class AsyncLLMEngine:
         self.info = self._wait_ready()
         self.model_name, self.max_model_len = self.info.model_name, self.info.max_model_len
         self._send_lock = threading.Lock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputQueue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._prompts: dict[str, tuple[Optional[str], list[int]]] = {}
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._error: Optional[BaseException] = None
+        self._interval = 0.0
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="tidal-engine-reader", daemon=True)
         self._reader.start()
@@ -146,18 +147,16 @@ class AsyncLLMEngine:
         finally:
             await batches.aclose()
 
-    async def generate_batches(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                               pace: Optional[Callable[[], float]] = None) -> AsyncIterator[list[RequestOutput]]:
+    async def generate_batches(self, prompt: Prompt, params: SamplingParams,
+                               request_id: str) -> AsyncIterator[list[RequestOutput]]:
         """The request's outputs in order, as lists of all that arrived while the consumer was busy: a consumer
         slower than the engine (a network hop per item) gets fewer, larger items instead of falling behind.
-        pace: seconds to let outputs gather before the next list; the wait ends early when the request's last
-        output (or an error) arrives, so pacing never delays a request's end.
         `prompt` may be a `ChatPrompt`: the core applies the chat template (ValueError if it refuses)."""
         if self._error is not None:
             raise self._error
         if request_id in self._streams:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
-        q = OutputQueue()
+        q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._send(("add", request_id, prompt, params))
         finished = False
@@ -171,17 +170,18 @@ class AsyncLLMEngine:
                         raise item
                 finished = items[-1].finished
                 yield items
-                wait = pace() if pace is not None and not finished else 0.0
-                if wait > 0 and not q.last.is_set():
-                    try:
-                        async with asyncio.timeout(wait):
-                            await q.last.wait()
-                    except TimeoutError:
-                        pass
         finally:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def set_stream_interval(self, seconds: float) -> None:
+        """Merge each request's outputs in the core until `seconds` have passed since its last one was sent
+        (0: an output per step); first and last outputs are never held."""
+        seconds = round(max(0.0, seconds), 3)
+        if seconds != self._interval and self._error is None:
+            self._interval = seconds
+            self._send(("interval", seconds))
 
     def abort(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
@@ -223,19 +223,6 @@ class AsyncLLMEngine:
             self.launcher.shutdown()
 
 
-class OutputQueue(asyncio.Queue):
-    """One request's outputs; `last` is set once its final output or an error is queued."""
-
-    def __init__(self):
-        super().__init__()
-        self.last = asyncio.Event()
-
-    def put_nowait(self, item) -> None:
-        super().put_nowait(item)
-        if isinstance(item, BaseException) or item.finished:
-            self.last.set()
-
-
-def _put_all(batch: list[tuple[OutputQueue, object]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in batch:
         q.put_nowait(item)

@@ -7,10 +7,12 @@ the loop owns its interpreter; the serving process (`replicas.async_engine.Async
 and fans the step outputs out to its streams.
 
 Messages, client -> core:   ("add", rid, prompt, params) | ("abort", rid) | ("call", id, method, kwargs) |
-                            ("shutdown",)
+                            ("interval", seconds) | ("shutdown",)
           core -> client:   ("ready", EngineInfo) | ("outputs", [RequestOutput]) | ("error", rid, exception) |
                             ("reply", id, ok, value) | ("dead", traceback)
-A request's prompt ids travel with its first output only (the client keeps them for the later ones).
+A request's prompt ids travel with its first output only (the client keeps them for the later ones). With an
+interval set, a request's outputs are merged until that long has passed since its last one was sent
+(replicas/stream_coalescer.py); its first and last outputs go at once.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Optional, Union
 from replicas.config import EngineConfig
 from replicas.distributed.launch import LaunchedRanks
 from replicas.outputs import RequestOutput
+from replicas.stream_coalescer import StreamCoalescer
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class EngineCore:
         self.engine = engine
         self.inputs, self.outputs = inputs, outputs
         self.prompt_sent: set[str] = set()
+        self.coalescer = StreamCoalescer()
         self.stopping = False
 
     def run(self) -> None:
@@ -73,7 +77,7 @@ class EngineCore:
                     return
                 busy = True
             if engine.has_unfinished:
-                outputs = engine.step()
+                outputs = self.coalescer.take(engine.step())
                 if outputs:
                     self.outputs.send(("outputs", self.compact(outputs)))
 
@@ -90,6 +94,9 @@ class EngineCore:
         elif kind == "abort":
             self.engine.abort(msg[1])
             self.prompt_sent.discard(msg[1])
+            self.coalescer.forget(msg[1])
+        elif kind == "interval":
+            self.coalescer.set_interval(msg[1])
         elif kind == "call":
             _, call_id, method, kwargs = msg
             try:

@@ -8,6 +8,8 @@ from cluster.protocol import ChoiceDelta
 from cluster.replica import _merge
 from replicas import EngineConfig, SamplingParams
 from replicas.async_engine import AsyncLLMEngine
+from replicas.outputs import CompletionOutput, RequestOutput
+from replicas.stream_coalescer import StreamCoalescer
 
 
 def test_merge_joins_deltas_per_choice_in_order():
@@ -44,26 +46,64 @@ def test_slow_consumer_gets_batches_with_the_same_tokens(tmp_path):
     assert flat[-1].finished and len(flat[-1].outputs[0].token_ids) == 24
 
 
-def test_pacing_gathers_outputs_and_never_delays_the_last_one(tmp_path):
-    """A pace far longer than the request: the first output goes out at once, the rest arrive together as soon
-    as the last one is there (no wait for the pace to run out)."""
+def test_core_interval_merges_outputs_without_delaying_the_first_or_last(tmp_path):
+    """An interval far longer than the request: the first output goes out at once and everything after it
+    arrives as one merged output when the request ends, with exactly the per-step deltas (n=2, logprobs)."""
     engine = AsyncLLMEngine(EngineConfig(model=make_tiny_llama(str(tmp_path / "m")), device="cpu"))
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True, logprobs=2)
 
     async def run():
         per_step = [o async for o in engine.generate([5, 6, 7], params, "steps")]
-        paced = engine.generate_batches([5, 6, 7], params, "paced", pace=lambda: 600.0)
-        batches = await asyncio.wait_for(_collect(paced), timeout=60)
-        return per_step, batches
+        engine.set_stream_interval(600.0)
+        merged = await asyncio.wait_for(_collect(engine.generate([5, 6, 7], params, "merged")), timeout=120)
+        engine.set_stream_interval(0.0)
+        again = [o async for o in engine.generate([5, 6, 7], params, "again")]
+        return per_step, merged, again
 
     try:
-        per_step, batches = asyncio.run(run())
+        per_step, merged, again = asyncio.run(run())
     finally:
         engine.shutdown()
-    assert len(batches) == 2 and batches[-1][-1].finished
-    assert [t for b in batches for o in b for t in o.outputs[0].delta_token_ids] == \
-        [t for o in per_step for t in o.outputs[0].delta_token_ids]
+    assert len(merged) == 2 and merged[-1].finished and len(again) == len(per_step) > 2
+
+    def deltas(outs, index):
+        picked = [o for out in outs for o in out.outputs if o.index == index]
+        logprobs = [lp for o in picked for lp in (o.logprobs[-len(o.delta_token_ids):] if o.delta_token_ids else [])]
+        return [t for o in picked for t in o.delta_token_ids], "".join(o.delta_text for o in picked), logprobs
+
+    for index in (0, 1):
+        assert deltas(merged, index) == deltas(per_step, index)
+        final = [o for o in merged[-1].outputs if o.index == index][0]
+        want = [o for o in per_step[-1].outputs if o.index == index][0]
+        assert (final.text, final.token_ids, final.finish_reason) == (want.text, want.token_ids, want.finish_reason)
 
 
 async def _collect(stream) -> list:
-    return [batch async for batch in stream]
+    return [out async for out in stream]
+
+
+def test_coalescer_holds_by_request_and_flushes_when_the_interval_passes():
+    now = [0.0]
+    c = StreamCoalescer(clock=lambda: now[0])
+    c.set_interval(0.05)
+
+    def out(rid, tok, finished=False):
+        return RequestOutput(rid, None, None, [CompletionOutput(0, f"t{tok}", [tok], f"t{tok}", [tok],
+                                                                finish_reason="length" if finished else None)],
+                             finished=finished)
+
+    assert [o.request_id for o in c.take([out("a", 1), out("b", 1)])] == ["a", "b"]      # first outputs at once
+    now[0] = 0.02
+    assert c.take([out("a", 2), out("b", 2)]) == []                                        # held
+    now[0] = 0.04
+    sent = c.take([out("a", 3)])                                                            # b was preempted
+    assert sent == []
+    now[0] = 0.06
+    sent = c.take([])                                                                       # interval passed
+    assert {o.request_id: o.outputs[0].delta_token_ids for o in sent} == {"a": [2, 3], "b": [2]}
+    now[0] = 0.07
+    c.take([out("b", 3)])
+    c.forget("b")                                                                           # aborted
+    assert c.held == {} and "b" not in c.last_sent
+    last = c.take([out("a", 4, finished=True)])                                             # last: at once
+    assert last[0].finished and last[0].outputs[0].delta_token_ids == [4] and "a" not in c.last_sent
