@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> dict:
         vocab = engine.info.vocab_size
         work = make_workload(args, vocab)
         direct = asyncio.run(measure_direct(engine, work))
+        progress("direct", direct)
         device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, " \
                                                                              f"{platform.processor() or platform.machine()})"
     finally:
@@ -241,6 +242,7 @@ def run(args: argparse.Namespace) -> dict:
                 if url is not None:
                     load = work if r == i == 0 else make_workload(args, vocab, seed_offset=2 * r + i)
                     runs[path].append(asyncio.run(measure_serve(url, model_id, load)))
+                    progress(f"{path} run {r + 1}", runs[path][-1])
     finally:
         server.stop()
     res = {**over_repeats(runs["front_door"], direct, args.concurrency), "concurrency": args.concurrency,
@@ -254,6 +256,13 @@ def run(args: argparse.Namespace) -> dict:
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
             "counted": "generated tokens only (direct: streamed token ids; serve: usage.completion_tokens)",
             "method": __doc__.strip()}
+
+
+def progress(name: str, result: dict) -> None:
+    """One line per measured path as it finishes (a run cut short still shows what it measured)."""
+    idle, loaded = result["idle"], result["loaded"]
+    print(f"{name}: idle TTFT median {idle['ttft_ms']['median']:.2f} ms; loaded {loaded['output_tok_s']:.0f} tok/s, "
+          f"TTFT median {loaded['ttft_ms']['median']:.2f} ms", flush=True)
 
 
 def report(res: dict) -> None:
