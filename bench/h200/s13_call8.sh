@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 session 13, call 8 (the session's last ~2 device minutes; Ray bundle carried, drafter out of the tree):
+# Next H200 call (session 13 had no device time left to run it; Ray bundle carried, drafter out of the tree):
 # Serve overhead with the engine core merging each stream's outputs, one repeat, short idle set.
 set -u
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .bundle/ray-serve-cp312.tar.xz
