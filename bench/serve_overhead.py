@@ -14,7 +14,8 @@ Ray cluster; POST /v1/completions, stream=true, over one keep-alive aiohttp sess
 POST sent (body already encoded) -> first SSE chunk holding a choice (a token, even if its text is still
 empty); tokens = the usage chunk's completion_tokens. The client only scans SSE lines for fixed byte patterns
 and parses JSON once per request (the usage chunk): a small cost per chunk, the same for every request.
-The Serve path is measured twice: through the front door (Serve's proxy, the URL `tidal serve` prints) and,
+The Serve path is measured twice: through the front door (the URL `tidal serve` prints: HAProxy, or Serve's
+Python proxy with --ingress proxy) and,
 under Ray Serve's direct ingress (the throughput preset `tidal serve` sets), straight to the replica's own
 HTTP port (no proxy hop; what a load balancer in front of the replicas would use), with fresh prompts of the
 same kind (`replica_direct_ingress` in the JSON). `--repeats R` alternates the two R times with new prompts
@@ -179,7 +180,7 @@ def resolve_model(args: argparse.Namespace) -> Optional[str]:
 
 
 def serve_flags(model: Optional[str], args: argparse.Namespace) -> list[str]:
-    flags = ["--device", args.device, "--replicas", "1", "--tp", "1"]
+    flags = ["--device", args.device, "--replicas", "1", "--tp", "1", "--ingress", args.ingress]
     if model is not None:
         flags += ["--model", model]
     if args.load_format != "auto":
@@ -234,6 +235,7 @@ def run(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {"front_door": [], "replica": []}
     try:
         model_id = server.wait_ready(READY_TIMEOUT_S)
+        server_front_door = "HAProxy" if "(HAProxy;" in server.log_path.read_text(errors="replace") else "Serve proxy"
         urls = {"front_door": server.url, "replica": (server.replica_urls() or [None])[0]}
         # Repeats alternate the two paths, each with new prompts of the same kind (no prefix-cache hits); the first
         # front-door run sends the direct path's prompts.
@@ -250,9 +252,9 @@ def run(args: argparse.Namespace) -> dict:
     if runs["replica"]:
         res["replica_direct_ingress"] = {**over_repeats(runs["replica"], direct, args.concurrency),
                                          "serve": runs["replica"][0]}
-    return {**res, "repeats": args.repeats, "device": device, "torch": torch.__version__,
+    return {**res, "front_door": server_front_door, "repeats": args.repeats, "device": device, "torch": torch.__version__,
             "model": args.model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)", "load_format": args.load_format,
-            "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
+            "ingress": args.ingress, "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
             "counted": "generated tokens only (direct: streamed token ids; serve: usage.completion_tokens)",
             "method": __doc__.strip()}
@@ -276,7 +278,7 @@ def report(res: dict) -> None:
             print(f"{path:<8}{r['concurrency']:>8}{r['num_requests']:>10}{r['output_tokens']:>9}"
                   f"{r['output_tok_s']:>10.1f}{t['median']:>10.2f}{t['mean']:>9.2f}{t['p99']:>9.2f}")
     c = res["concurrency"]
-    paths = [("front door (proxy)", res)]
+    paths = [(f"front door ({res['front_door']})", res)]
     if "replica_direct_ingress" in res:
         r = res["replica_direct_ingress"]
         paths.append(("replica port", r))
@@ -311,6 +313,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=64, help="streams in flight in the loaded run")
     ap.add_argument("--repeats", type=int, default=1, help="Serve-side runs per path (alternating); headline = "
                                                             "the medians, each_repeat = every run's figures")
+    ap.add_argument("--ingress", default="auto", choices=["auto", "haproxy", "proxy"],
+                    help="the front door `tidal serve` puts up (auto: HAProxy when installed)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/serve_overhead.json")
     args = ap.parse_args(argv)

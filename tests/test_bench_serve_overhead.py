@@ -11,7 +11,7 @@ from cluster.serve_cmd import _engine_kwargs, add_serve_parser
 
 
 def test_direct_engine_config_is_what_tidal_serve_builds():
-    args = argparse.Namespace(device="cpu", load_format="auto")
+    args = argparse.Namespace(device="cpu", load_format="auto", ingress="auto")
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     for model in (None, "/models/some.gguf"):
