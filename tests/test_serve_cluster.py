@@ -62,8 +62,10 @@ def tiny_tp1_greedy(tiny_llama) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tp2_server(tidal_server_factory, tiny_llama):
+    # Serve's Python proxy as the front door here (the session's main server has HAProxy): both stay tested.
     return tidal_server_factory("--model", tiny_llama, "--served-model-name", TINY, "--tp", "2", "--replicas", "1",
-                                "--api-key", API_KEY, "--max-ongoing-requests", "2", "--max-queued-requests", "1")
+                                "--api-key", API_KEY, "--max-ongoing-requests", "2", "--max-queued-requests", "1",
+                                "--ingress", "proxy")
 
 
 def finished_per_replica(url: str, headers=None) -> dict[str, int]:
@@ -102,6 +104,10 @@ def test_the_front_door_is_haproxy_in_front_of_the_replicas_own_ports(tidal_serv
     model = requests.get(f"{tidal_server}/v1/models", timeout=30).json()["data"][0]["id"]
     for url in urls:
         assert requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == model
+
+
+def test_ingress_proxy_puts_serves_proxy_in_front(tp2_server):
+    assert "(Serve proxy;" in tp2_server.log_path.read_text()
 
 
 def test_tp2_replica_equals_tp1_greedy(tp2_server, tiny_tp1_greedy):
