@@ -1,30 +1,35 @@
 """Serve overhead benchmark: what Ray Serve adds over calling the engine in-process, with the same requests.
 
     python -m bench.serve_overhead [--model PATH|SHAPE] [--load-format auto|dummy] [--device cuda|cpu]
-        [--num-prompts 256] [--max-tokens 128] [--concurrency 64] [--out bench/results/serve_overhead.json]
+        [--num-prompts 256] [--max-tokens 128] [--concurrency 64] [--repeats 1] [--ingress auto|haproxy|proxy]
+        [--out bench/results/serve_overhead.json]
 
 Workload: prompts of --input-len random token ids (uniform in [100, vocab - 100), seed 0), each generating
-exactly --max-tokens tokens (temperature 0, ignore_eos). Three disjoint prompt sets (warm-up, idle, loaded),
-so no measured prompt finds an earlier one in the prefix cache. Both paths take their SamplingParams from the
-same /v1/completions body (`CompletionRequest.sampling_params()`: detokenization included) and run the
-EngineConfig that `tidal serve` builds from the same flags (1 replica, TP 1, elastic off, default knobs).
-Direct: AsyncLLMEngine in this process (its engine core in a child process, as in a replica); TTFT = `generate()` entered -> first output carrying a token id;
-tokens = the token ids streamed. Serve: `tidal serve --replicas 1 --tp 1` in a subprocess with its own local
-Ray cluster; POST /v1/completions, stream=true, over one keep-alive aiohttp session in this process; TTFT =
-POST sent (body already encoded) -> first SSE chunk holding a choice (a token, even if its text is still
-empty); tokens = the usage chunk's completion_tokens. The client only scans SSE lines for fixed byte patterns
-and parses JSON once per request (the usage chunk): a small cost per chunk, the same for every request.
-The Serve path is measured twice: through the front door (the URL `tidal serve` prints: HAProxy, or Serve's
-Python proxy with --ingress proxy) and,
-under Ray Serve's direct ingress (the throughput preset `tidal serve` sets), straight to the replica's own
-HTTP port (no proxy hop; what a load balancer in front of the replicas would use), with fresh prompts of the
-same kind (`replica_direct_ingress` in the JSON). `--repeats R` alternates the two R times with new prompts
-each time (the shared GPU machines are noisy): the headline figures are then the medians, `each_repeat` holds
-every run's, `serve` the first run's details. Each path: the warm-up set (all at once), then the idle set one request at a time (concurrency 1), then the
-loaded set in a closed loop of --concurrency streams. Throughput = output tokens / wall time from the first
-send to the last token. The direct engine runs first and is freed before the server starts. process_cpu_s:
-this process's CPU time during a run: engine and callers on the direct path, only the HTTP client on the
-Serve path (close to `seconds` would mean the client, not Serve, set the Serve figure).
+exactly --max-tokens tokens (temperature 0, ignore_eos). Disjoint prompt sets (warm-up, idle, loaded; new ones
+every repeat), so no measured prompt finds an earlier one in its engine's prefix cache. Every path takes its
+SamplingParams from the same /v1/completions body (`CompletionRequest.sampling_params()`: detokenization
+included) and runs the EngineConfig that `tidal serve` builds from the same flags (1 replica, TP 1, elastic off,
+default knobs; on a GPU each side gets its share of the GPU's memory, see GPU_MEMORY_UTILIZATION).
+Direct: AsyncLLMEngine in this process (its engine core in a child process, as in a replica); TTFT =
+`generate()` entered -> first output carrying a token id; tokens = the token ids streamed.
+Serve: `tidal serve --replicas 1 --tp 1` in a subprocess with its own local Ray cluster; POST /v1/completions,
+stream=true, over one keep-alive aiohttp session in this process; TTFT = POST sent (body already encoded) ->
+first SSE chunk holding a choice (a token, even if its text is still empty); tokens = the usage chunk's
+completion_tokens. The client only scans SSE lines for fixed byte patterns and parses JSON once per request.
+Two Serve paths: the front door (the URL `tidal serve` prints: HAProxy, or Serve's Python proxy with
+--ingress proxy) with the direct run's prompts, and the replica's own HTTP port (Ray Serve's direct ingress,
+which the throughput preset `tidal serve` sets turns on: no proxy hop, what a load balancer in front of the
+replicas would use) with fresh prompts of the same kind (`replica_direct_ingress` in the JSON).
+The direct engine stays up beside the server and every repeat runs all three paths, in an order that rotates:
+each Serve run is compared with the direct run of its own repeat (the shared machines drift), and the headline
+figures are the medians over repeats (`each_repeat`; `serve_runs`, `direct_runs`: every run's details).
+Each path: the warm-up set (all at once), the idle set one request at a time (concurrency 1), then the loaded
+set in a closed loop of --concurrency streams. Throughput = output tokens / wall time from the first send to
+the last token. process_cpu_s: this process's CPU time during a run (engine caller and client on the direct
+path, only the HTTP client on a Serve path: close to `seconds` would mean the client set the Serve figure).
+The loaded run also records the engine's counters meanwhile (`engine`: tokens per step, ms per step, steps
+that ran a prefill; direct: `AsyncLLMEngine.stats()`, Serve: GET /stats): a slower path either left the engine
+fewer requests to batch or made its steps slower.
 JSON keys ending in _c64 / _64 hold the --concurrency level (64 by default; `concurrency` records it).
 Targets: added median TTFT <= 5 ms, Serve/direct output throughput >= 0.90 at 64 streams.
 """
@@ -32,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import itertools
 import json
 import os
@@ -110,13 +114,23 @@ def summarize(streams: list[Stream], seconds: float, cpu_seconds: float, concurr
     tokens = sum(s.tokens for s in streams)
     return {"concurrency": concurrency, "num_requests": len(streams), "output_tokens": tokens, "seconds": seconds,
             "output_tok_s": tokens / seconds, "ttft_ms": asdict(Summary.of_seconds([s.ttft_s for s in streams])),
-            "process_cpu_s": cpu_seconds}
+            "process_cpu_s": cpu_seconds, "ended_at": time.time()}
 
 
-async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload) -> dict:
+Counters = Callable[[], Awaitable[tuple[int, int, int]]]
+
+
+async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload, counters: Counters) -> dict:
+    """The three sets; the loaded run also records the engine's steps and generated tokens meanwhile (its mean
+    batch and step time: whether a slower path starved the engine of requests or slowed its steps)."""
     await closed_loop(send, work.warmup, max(1, len(work.warmup)))
     idle = summarize(*await closed_loop(send, work.idle, 1), concurrency=1)
+    steps0, prefills0, tokens0 = await counters()
     loaded = summarize(*await closed_loop(send, work.loaded, work.concurrency), concurrency=work.concurrency)
+    steps1, prefills1, tokens1 = await counters()
+    steps = max(1, steps1 - steps0)
+    loaded["engine"] = {"steps": steps1 - steps0, "prefill_steps": prefills1 - prefills0,
+                        "mean_tokens_per_step": (tokens1 - tokens0) / steps, "step_ms": 1e3 * loaded["seconds"] / steps}
     return {"idle": idle, "loaded": loaded}
 
 
@@ -135,7 +149,11 @@ async def measure_direct(engine: AsyncLLMEngine, work: Workload) -> dict:
             tokens += n
         return Stream(first - start, tokens)
 
-    return await measure(send, work)
+    async def counters() -> tuple[int, int, int]:
+        stats = await asyncio.to_thread(engine.stats)
+        return stats.num_steps, stats.prefill_steps, stats.generation_tokens
+
+    return await measure(send, work, counters)
 
 
 # ---- the Serve path ---------------------------------------------------------------------------
@@ -165,7 +183,12 @@ async def measure_serve(base_url: str, model_id: str, work: Workload) -> dict:
                 raise RuntimeError(f"incomplete stream (done={done}, first token={first is not None}, usage={usage})")
             return Stream(first - start, int(usage["completion_tokens"]))
 
-        return await measure(send, work)
+        async def counters() -> tuple[int, int, int]:
+            async with session.get(f"{base_url}/stats") as resp:
+                stats = [r["stats"] for r in (await resp.json())["data"]]
+            return tuple(sum(s[k] for s in stats) for k in ("num_steps", "prefill_steps", "generation_tokens"))
+
+        return await measure(send, work, counters)
 
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -178,83 +201,91 @@ def resolve_model(args: argparse.Namespace) -> Optional[str]:
     return os.path.abspath(args.model) if args.model else None
 
 
+# The direct engine stays up beside the server so that every repeat measures both, minutes apart at most: on a
+# shared machine the engine core's speed drifts by a quarter between runs. Each side's KV cache is sized from
+# what the GPU has free (other processes included): the direct engine takes 0.3 of the GPU, the server's limit
+# of 0.6 leaves it about as much. Both are far more blocks than the load needs.
+GPU_MEMORY_UTILIZATION = {"direct": 0.3, "serve": 0.6}
+
+
 def serve_flags(model: Optional[str], args: argparse.Namespace) -> list[str]:
     flags = ["--device", args.device, "--replicas", "1", "--tp", "1", "--ingress", args.ingress]
     if model is not None:
         flags += ["--model", model]
     if args.load_format != "auto":
         flags += ["--load-format", args.load_format]
+    if args.device == "cuda":
+        flags += ["--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION["serve"])]
     return flags
 
 
 def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfig:
-    """What `tidal serve` builds from serve_flags() (cluster.serve_cmd: elastic off, no other engine kwargs)."""
+    """What `tidal serve` builds from serve_flags() (cluster.serve_cmd: elastic off, no other engine kwargs), with
+    the direct engine's share of the GPU."""
     extra = {"load_format": args.load_format} if args.load_format != "auto" else {}
+    if args.device == "cuda":
+        extra["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION["direct"]
     return engine_config(AppArgs(model=model, device=args.device, tensor_parallel_size=1, num_replicas=1,
                                  engine_kwargs={"elastic": "off", **extra}))
 
 
-def overhead(serve: dict, direct: dict, concurrency: int) -> dict:
+def overhead(serve: dict, direct: dict) -> dict:
     """What a Serve path adds over the direct engine: median TTFT at 1 and `concurrency` streams, throughput ratio."""
     added = {k: serve[k]["ttft_ms"]["median"] - direct[k]["ttft_ms"]["median"] for k in ("idle", "loaded")}
     ratio = serve["loaded"]["output_tok_s"] / direct["loaded"]["output_tok_s"]
     return {"added_median_ttft_ms_c1": added["idle"], "added_median_ttft_ms_c64": added["loaded"],
-            "throughput_ratio_64": ratio,
-            "meets_targets": {"added_median_ttft_ms_c1": added["idle"] <= TTFT_TARGET_MS,
-                              "throughput_ratio_64": ratio >= THROUGHPUT_TARGET}}
+            "throughput_ratio_64": ratio}
 
 
-def over_repeats(serves: list[dict], direct: dict, concurrency: int) -> dict:
-    """`overhead` of each repeat, and its figures' medians as the headline (a single run: that run's figures)."""
-    each = [overhead(s, direct, concurrency) for s in serves]
-    keys = ("added_median_ttft_ms_c1", "added_median_ttft_ms_c64", "throughput_ratio_64")
-    med = {k: statistics.median(e[k] for e in each) for k in keys}
+def over_repeats(serves: list[dict], directs: list[dict]) -> dict:
+    """`overhead` of each repeat against the same repeat's direct run; the medians are the headline."""
+    each = [overhead(s, d) for s, d in zip(serves, directs)]
+    med = {k: statistics.median(e[k] for e in each) for k in each[0]}
     return {**med, "meets_targets": {"added_median_ttft_ms_c1": med["added_median_ttft_ms_c1"] <= TTFT_TARGET_MS,
                                      "throughput_ratio_64": med["throughput_ratio_64"] >= THROUGHPUT_TARGET},
-            "each_repeat": [{k: e[k] for k in keys} for e in each]}
+            "each_repeat": each}
 
 
 def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args)
     engine = AsyncLLMEngine(direct_config(model, args))
+    server = None
+    runs: dict[str, list[dict]] = {"direct": [], "front_door": [], "replica": []}
     try:
         vocab = engine.info.vocab_size
-        work = make_workload(args, vocab)
-        direct = asyncio.run(measure_direct(engine, work))
-        progress("direct", direct)
         device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, " \
                                                                              f"{platform.processor() or platform.machine()})"
-    finally:
-        engine.shutdown()
-        del engine
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    server = LocalServer(serve_flags(model, args))
-    runs: dict[str, list[dict]] = {"front_door": [], "replica": []}
-    try:
+        server = LocalServer(serve_flags(model, args))
         model_id = server.wait_ready(READY_TIMEOUT_S)
         server_front_door = "HAProxy" if "(HAProxy;" in server.log_path.read_text(errors="replace") else "Serve proxy"
-        urls = {"front_door": server.url, "replica": (server.replica_urls() or [None])[0]}
-        # Repeats alternate the two paths, each with new prompts of the same kind (no prefix-cache hits); the first
-        # front-door run sends the direct path's prompts.
+        replica_url = (server.replica_urls() or [None])[0]
         for r in range(args.repeats):
-            for i, (path, url) in enumerate(urls.items()):
-                if url is not None:
-                    load = work if r == i == 0 else make_workload(args, vocab, seed_offset=2 * r + i)
-                    runs[path].append(asyncio.run(measure_serve(url, model_id, load)))
-                    progress(f"{path} run {r + 1}", runs[path][-1])
+            # Each repeat: new prompts (no prefix-cache hits across repeats); the direct engine and the front door
+            # get the same ones (separate engines), the replica port fresh ones (the server's engine saw those).
+            # The order rotates, so no path always runs first.
+            same, fresh = make_workload(args, vocab, seed_offset=2 * r), make_workload(args, vocab, 2 * r + 1)
+            paths = [("direct", lambda w: measure_direct(engine, w), same),
+                     ("front_door", lambda w: measure_serve(server.url, model_id, w), same)]
+            if replica_url is not None:
+                paths.append(("replica", lambda w: measure_serve(replica_url, model_id, w), fresh))
+            for path, measure_path, load in paths[r % len(paths):] + paths[:r % len(paths)]:
+                runs[path].append(asyncio.run(measure_path(load)))
+                progress(f"{path} run {r + 1}", runs[path][-1])
     finally:
-        server.stop()
-    res = {**over_repeats(runs["front_door"], direct, args.concurrency), "concurrency": args.concurrency,
-           "serve": runs["front_door"][0], "direct": direct}
+        if server is not None:
+            server.stop()
+        engine.shutdown()
+    res = {**over_repeats(runs["front_door"], runs["direct"]), "concurrency": args.concurrency,
+           "serve": runs["front_door"][0], "serve_runs": runs["front_door"], "direct": runs["direct"][0],
+           "direct_runs": runs["direct"]}
     if runs["replica"]:
-        res["replica_direct_ingress"] = {**over_repeats(runs["replica"], direct, args.concurrency),
-                                         "serve": runs["replica"][0]}
+        res["replica_direct_ingress"] = {**over_repeats(runs["replica"], runs["direct"]),
+                                         "serve": runs["replica"][0], "serve_runs": runs["replica"]}
     return {**res, "front_door": server_front_door, "repeats": args.repeats, "device": device, "torch": torch.__version__,
             "model": args.model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)", "load_format": args.load_format,
             "ingress": args.ingress, "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
+            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION if args.device == "cuda" else None,
             "counted": "generated tokens only (direct: streamed token ids; serve: usage.completion_tokens)",
             "method": __doc__.strip()}
 
@@ -271,8 +302,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
     ap.add_argument("--concurrency", type=int, default=64, help="streams in flight in the loaded run")
-    ap.add_argument("--repeats", type=int, default=1, help="Serve-side runs per path (alternating); headline = "
-                                                            "the medians, each_repeat = every run's figures")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every path (direct, front door, replica port; "
+                                                            "the order rotates); headline = the medians of each "
+                                                            "repeat's Serve/direct figures")
     ap.add_argument("--ingress", default="auto", choices=["auto", "haproxy", "proxy"],
                     help="the front door `tidal serve` puts up (auto: HAProxy when installed)")
     ap.add_argument("--seed", type=int, default=0)

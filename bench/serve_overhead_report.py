@@ -8,8 +8,12 @@ THROUGHPUT_TARGET = 0.90
 def progress(name: str, result: dict) -> None:
     """One line per measured path as it finishes (a run cut short still shows what it measured)."""
     idle, loaded = result["idle"], result["loaded"]
+    engine = loaded["engine"]
     print(f"{name}: idle TTFT median {idle['ttft_ms']['median']:.2f} ms; loaded {loaded['output_tok_s']:.0f} tok/s, "
-          f"TTFT median {loaded['ttft_ms']['median']:.2f} ms", flush=True)
+          f"TTFT median {loaded['ttft_ms']['median']:.2f} ms; engine {engine['mean_tokens_per_step']:.1f} tokens "
+          f"per step, {engine['step_ms']:.2f} ms per step, {engine['prefill_steps']} of {engine['steps']} steps with a "
+          f"prefill; client CPU {loaded['process_cpu_s']:.1f} s of "
+          f"{loaded['seconds']:.1f}", flush=True)
 
 
 def report(res: dict) -> None:

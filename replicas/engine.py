@@ -23,6 +23,7 @@ from replicas.sequence import Sequence
 from replicas.spec_verify import verify_round
 from replicas.stats import EngineStats, RequestTimings
 from replicas.step_input import StepInput
+from replicas.stream_coalescer import StreamCoalescer
 
 Prompt = Union[str, list[int]]
 
@@ -67,6 +68,7 @@ class LLMEngine:
                                      ElasticPolicy(kv.lend_step_tokens), kv.reserve_bytes, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.coalescer = StreamCoalescer()          # interval 0: every touched streaming request reports
         self.stats = EngineStats(kv_blocks_total=num_blocks - reserve)
         self.finished_timings: list[RequestTimings] = []
         self._rng = random.Random(config.seed)
@@ -112,6 +114,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.coalescer.forget(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -154,10 +157,12 @@ class LLMEngine:
         aux = self.runner.last_aux_hidden if spec is not None else None
         if aux:
             spec.observe_step(batch, step, aux)
+        prefill = False
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if batch.num_drafts(i):
                 continue
             before = seq.num_computed_tokens
+            prefill = prefill or n > 1 or before < seq.num_prompt_tokens
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, before)
         if drafted:
@@ -170,14 +175,13 @@ class LLMEngine:
             self._append_token(seq, tokens[row], out, row, now)
             touched[seq.request_id] = self.requests[seq.request_id]
         self.stats.num_steps += 1
+        self.stats.prefill_steps += prefill
         self.stats.iteration_tokens_total += batch.num_tokens
         outputs = []
-        for rid, req in touched.items():
+        for req in self.coalescer.due(touched, now):
+            outputs.append(req.make_output())
             if req.finished:
-                outputs.append(req.make_output())
                 self._retire(req)
-            elif req.stream:
-                outputs.append(req.make_output())
         return outputs
 
     @staticmethod
@@ -247,6 +251,7 @@ class LLMEngine:
 
     def _retire(self, req: Request) -> None:
         del self.requests[req.request_id]
+        self.coalescer.forget(req.request_id)
         self.stats.requests_finished += 1
         for seq in req.seqs:
             if self.speculator is not None:

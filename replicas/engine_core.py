@@ -11,8 +11,8 @@ Messages, client -> core:   ("add", rid, prompt, params) | ("abort", rid) | ("ca
           core -> client:   ("ready", EngineInfo) | ("outputs", [RequestOutput]) | ("error", rid, exception) |
                             ("reply", id, ok, value) | ("dead", traceback)
 A request's prompt ids travel with its first output only (the client keeps them for the later ones). With an
-interval set, a request's outputs are merged until that long has passed since its last one was sent
-(replicas/stream_coalescer.py); its first and last outputs go at once.
+interval set, a request reports only once that long has passed since its last output, which then carries
+everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from typing import Optional, Union
 from replicas.config import EngineConfig
 from replicas.distributed.launch import LaunchedRanks
 from replicas.outputs import RequestOutput
-from replicas.stream_coalescer import StreamCoalescer
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,6 @@ class EngineCore:
         self.engine = engine
         self.inputs, self.outputs = inputs, outputs
         self.prompt_sent: set[str] = set()
-        self.coalescer = StreamCoalescer()
         self.stopping = False
 
     def run(self) -> None:
@@ -77,7 +75,7 @@ class EngineCore:
                     return
                 busy = True
             if engine.has_unfinished:
-                outputs = self.coalescer.take(engine.step())
+                outputs = engine.step()
                 if outputs:
                     self.outputs.send(("outputs", self.compact(outputs)))
 
@@ -94,9 +92,8 @@ class EngineCore:
         elif kind == "abort":
             self.engine.abort(msg[1])
             self.prompt_sent.discard(msg[1])
-            self.coalescer.forget(msg[1])
         elif kind == "interval":
-            self.coalescer.set_interval(msg[1])
+            self.engine.coalescer.interval = msg[1]
         elif kind == "call":
             _, call_id, method, kwargs = msg
             try:

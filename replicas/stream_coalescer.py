@@ -1,86 +1,58 @@
-"""Per-request coalescing of step outputs in the engine core, before they cross the pipe.
+"""Which requests report an output this step: per-request coalescing before anything is built or pickled.
 
 A server streaming to many clients cannot use an output per request per step: at 64 streams the engine
-steps ~300 times a second, ~19,000 outputs a second for the serving process to load and fan out, on the
-GIL its HTTP side needs. With an interval set (`("interval", seconds)` from the serving process, which
-knows how many streams it serves), a request's outputs are merged until `interval` has passed since its last
-one was sent. A request's first output (its first token: TTFT) and its last one go out at once, so coalescing
-never delays a request's start or end; the merged output carries exactly the deltas of the outputs it
-replaces (tests/test_stream_batches.py).
+steps ~300 times a second, ~19,000 outputs a second for the engine core to build and pickle and for the
+serving process to load and fan out, on the GIL its HTTP side needs. With an interval set (the serving
+process, which knows how many streams it serves, sends `("interval", seconds)`), a request reports only
+when `interval` has passed since its last report. A request that does not report simply keeps its new
+tokens and text: `Request.make_output` copies out everything since the previous output, so the merged
+output costs nothing to merge. A request's first output (its first token: TTFT) and its last one go out at
+once, so coalescing never delays a request's start or end (tests/test_stream_batches.py).
 """
 from __future__ import annotations
 
-import time
-from typing import Callable, Optional
-
-from replicas.outputs import CompletionOutput, RequestOutput
+from typing import Protocol
 
 
-def _join(a: Optional[list], b: Optional[list]) -> Optional[list]:
-    if a is None or b is None:
-        return a if b is None else b
-    return a + b
+class Reporting(Protocol):
+    request_id: str
+    stream: bool
 
-
-def merge_completion(prev: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
-    """One output for two consecutive ones of the same choice. A finishing output already holds the whole
-    text, ids and logprobs; intermediate ones hold only what is new."""
-    whole = new.finished
-    return CompletionOutput(
-        index=new.index,
-        text=new.text if whole else prev.text + new.text,
-        token_ids=new.token_ids if whole else prev.token_ids + new.token_ids,
-        delta_text=prev.delta_text + new.delta_text,
-        delta_token_ids=prev.delta_token_ids + new.delta_token_ids,
-        cumulative_logprob=new.cumulative_logprob,
-        logprobs=new.logprobs if whole else _join(prev.logprobs, new.logprobs),
-        finish_reason=new.finish_reason,
-        stop_reason=new.stop_reason,
-    )
-
-
-def merge_request(prev: RequestOutput, new: RequestOutput) -> RequestOutput:
-    choices = {o.index: o for o in prev.outputs}
-    for o in new.outputs:
-        old = choices.get(o.index)
-        choices[o.index] = o if old is None else merge_completion(old, o)
-    prompt_ids = prev.prompt_token_ids if prev.prompt_token_ids is not None else new.prompt_token_ids
-    return RequestOutput(new.request_id, prev.prompt if prev.prompt is not None else new.prompt, prompt_ids,
-                         [choices[i] for i in sorted(choices)], new.finished, new.num_cached_tokens)
+    @property
+    def finished(self) -> bool: ...
 
 
 class StreamCoalescer:
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.interval = 0.0
-        self.clock = clock
-        self.held: dict[str, RequestOutput] = {}
+    def __init__(self, interval: float = 0.0):
+        self.interval = interval
         self.last_sent: dict[str, float] = {}
+        self.held: dict[str, Reporting] = {}        # touched since their last report, not yet reported
 
-    def set_interval(self, seconds: float) -> None:
-        self.interval = seconds
-
-    def take(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """This step's outputs -> the ones to send now (merged with what each request held back)."""
-        now = self.clock()
-        send = []
-        for out in outputs:
-            rid = out.request_id
-            prev = self.held.pop(rid, None)
-            if prev is not None:
-                out = merge_request(prev, out)
-            last = self.last_sent.get(rid)
-            if out.finished or last is None or now - last >= self.interval:
-                send.append(out)
-                if out.finished:
-                    self.last_sent.pop(rid, None)
-                else:
-                    self.last_sent[rid] = now
+    def due(self, touched: dict[str, Reporting], now: float) -> list[Reporting]:
+        """The requests this step touched, plus any held ones, that report now (in touched order)."""
+        interval, last_sent, held = self.interval, self.last_sent, self.held
+        if interval <= 0 and not held:
+            return [r for r in touched.values() if r.stream or r.finished]
+        report = []
+        for rid, req in touched.items():
+            last = last_sent.get(rid)
+            if req.finished:
+                report.append(req)
+                last_sent.pop(rid, None)
+                held.pop(rid, None)
+            elif not req.stream:
+                continue
+            elif last is None or now - last >= interval:
+                report.append(req)
+                last_sent[rid] = now
+                held.pop(rid, None)
             else:
-                self.held[rid] = out
-        for rid in [r for r, out in self.held.items() if now - self.last_sent[r] >= self.interval]:
-            send.append(self.held.pop(rid))             # a request that produced nothing this step
-            self.last_sent[rid] = now
-        return send
+                held[rid] = req
+        if held:
+            for rid in [r for r in held if r not in touched and now - last_sent[r] >= interval]:
+                report.append(held.pop(rid))          # a request that produced nothing this step
+                last_sent[rid] = now
+        return report
 
     def forget(self, request_id: str) -> None:
         self.held.pop(request_id, None)

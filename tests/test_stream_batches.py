@@ -8,7 +8,6 @@ from cluster.protocol import ChoiceDelta
 from cluster.replica import _merge
 from replicas import EngineConfig, SamplingParams
 from replicas.async_engine import AsyncLLMEngine
-from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.stream_coalescer import StreamCoalescer
 
 
@@ -82,28 +81,27 @@ async def _collect(stream) -> list:
     return [out async for out in stream]
 
 
+class _Req:
+    def __init__(self, rid: str, stream: bool = True):
+        self.request_id, self.stream, self.finished = rid, stream, False
+
+
 def test_coalescer_holds_by_request_and_flushes_when_the_interval_passes():
-    now = [0.0]
-    c = StreamCoalescer(clock=lambda: now[0])
-    c.set_interval(0.05)
+    c = StreamCoalescer(interval=0.05)
+    a, b, quiet = _Req("a"), _Req("b"), _Req("q", stream=False)
 
-    def out(rid, tok, finished=False):
-        return RequestOutput(rid, None, None, [CompletionOutput(0, f"t{tok}", [tok], f"t{tok}", [tok],
-                                                                finish_reason="length" if finished else None)],
-                             finished=finished)
+    def ids(reqs):
+        return [r.request_id for r in reqs]
 
-    assert [o.request_id for o in c.take([out("a", 1), out("b", 1)])] == ["a", "b"]      # first outputs at once
-    now[0] = 0.02
-    assert c.take([out("a", 2), out("b", 2)]) == []                                        # held
-    now[0] = 0.04
-    sent = c.take([out("a", 3)])                                                            # b was preempted
-    assert sent == []
-    now[0] = 0.06
-    sent = c.take([])                                                                       # interval passed
-    assert {o.request_id: o.outputs[0].delta_token_ids for o in sent} == {"a": [2, 3], "b": [2]}
-    now[0] = 0.07
-    c.take([out("b", 3)])
-    c.forget("b")                                                                           # aborted
-    assert c.held == {} and "b" not in c.last_sent
-    last = c.take([out("a", 4, finished=True)])                                             # last: at once
-    assert last[0].finished and last[0].outputs[0].delta_token_ids == [4] and "a" not in c.last_sent
+    assert ids(c.due({"a": a, "b": b, "q": quiet}, 0.0)) == ["a", "b"]             # first outputs at once
+    assert c.due({"a": a, "b": b}, 0.02) == []                                        # held
+    assert c.due({"a": a}, 0.04) == []                                                # b was preempted
+    assert ids(c.due({}, 0.06)) == ["a", "b"]                                         # interval passed
+    c.due({"b": b}, 0.07)
+    c.forget("b")                                                                     # aborted
+    assert "b" not in c.held and "b" not in c.last_sent
+    a.finished = quiet.finished = True
+    assert ids(c.due({"a": a, "q": quiet}, 0.08)) == ["a", "q"]                       # last: at once
+    assert c.held == {} and "a" not in c.last_sent
+    c.interval = 0.0
+    assert ids(c.due({"b": b, "q": _Req("q2", stream=False)}, 0.09)) == ["b"]         # interval 0: every step
