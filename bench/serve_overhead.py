@@ -9,7 +9,8 @@ exactly --max-tokens tokens (temperature 0, ignore_eos). Disjoint prompt sets (w
 every repeat), so no measured prompt finds an earlier one in its engine's prefix cache. Every path takes its
 SamplingParams from the same /v1/completions body (`CompletionRequest.sampling_params()`: detokenization
 included) and runs the EngineConfig that `tidal serve` builds from the same flags (1 replica, TP 1, elastic off,
-default knobs; on a GPU each side gets its share of the GPU's memory, see GPU_MEMORY_UTILIZATION).
+default knobs; on a GPU each side gets its share of the GPU's memory, see GPU_MEMORY_UTILIZATION), with the
+replica's stream-item budget (`EngineConfig.stream_item_ms`: both engines merge a request's outputs alike).
 Direct: AsyncLLMEngine in this process (its engine core in a child process, as in a replica); TTFT =
 `generate()` entered -> first output carrying a token id; tokens = the token ids streamed.
 Serve: `tidal serve --replicas 1 --tp 1` in a subprocess with its own local Ray cluster; POST /v1/completions,
@@ -55,6 +56,7 @@ import torch
 from cluster.app import AppArgs, engine_config
 from cluster.benchmark.report import Summary
 from cluster.local_server import LocalServer
+from cluster.replica import STREAM_ITEM_MS
 from cluster.protocol import CompletionRequest
 from bench.serve_overhead_report import THROUGHPUT_TARGET, TTFT_TARGET_MS, progress, report
 from cluster.serve_cmd import READY_TIMEOUT_S
@@ -229,6 +231,12 @@ def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfi
                                  engine_kwargs={"elastic": "off", **extra}))
 
 
+def direct_engine_config(model: Optional[str], args: argparse.Namespace) -> EngineConfig:
+    """The engine a replica runs for that config: with the replica's stream-item budget (cluster.replica), so the
+    direct engine reports as sparingly as the served one and only Serve differs between the paths."""
+    return direct_config(model, args).with_(stream_item_ms=STREAM_ITEM_MS)
+
+
 def overhead(serve: dict, direct: dict) -> dict:
     """What a Serve path adds over the direct engine: median TTFT at 1 and `concurrency` streams, throughput ratio."""
     added = {k: serve[k]["ttft_ms"]["median"] - direct[k]["ttft_ms"]["median"] for k in ("idle", "loaded")}
@@ -248,7 +256,7 @@ def over_repeats(serves: list[dict], directs: list[dict]) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args)
-    engine = AsyncLLMEngine(direct_config(model, args))
+    engine = AsyncLLMEngine(direct_engine_config(model, args))
     server = None
     runs: dict[str, list[dict]] = {"direct": [], "front_door": [], "replica": []}
     try:
@@ -286,6 +294,7 @@ def run(args: argparse.Namespace) -> dict:
             "ingress": args.ingress, "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
             "gpu_memory_utilization": GPU_MEMORY_UTILIZATION if args.device == "cuda" else None,
+            "stream_item_ms": STREAM_ITEM_MS,
             "counted": "generated tokens only (direct: streamed token ids; serve: usage.completion_tokens)",
             "method": __doc__.strip()}
 

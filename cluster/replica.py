@@ -32,11 +32,11 @@ from replicas.stats import EngineStats
 logger = logging.getLogger("tidal.replica")
 
 RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
-# The replica's stream-item budget: the engine core merges each of n streams' outputs for (n - 1) x this, so a
-# replica loads and sends ~1,000 items/s however many streams it serves. Every item is work on this process's
-# GIL and, through the front door, a Ray message to the proxy, which does not push back on a fast producer;
-# TIDAL_STREAM_ITEM_MS overrides it (0: an output per engine step).
-STREAM_ITEM_SECONDS = float(os.environ.get("TIDAL_STREAM_ITEM_MS", "1.0")) / 1e3
+# The replica's stream-item budget (EngineConfig.stream_item_ms): each of n streams reports at most every
+# (n - 1) x this, so a replica loads and sends ~1,000 items/s however many streams it serves (every item is work
+# on this process's GIL); a lone stream gets every step. TIDAL_STREAM_ITEM_MS overrides it (0: an output per
+# engine step).
+STREAM_ITEM_MS = float(os.environ.get("TIDAL_STREAM_ITEM_MS", "1.0"))
 
 
 def _replica_id() -> str:
@@ -97,7 +97,7 @@ class EngineReplica(OpenAIRoutes):
         self.launcher: Optional[RayRankLauncher] = None
         if engine_config.tensor_parallel_size > 1:
             self.launcher = RayRankLauncher(engine_config.device == "cuda", cpus_per_rank)
-        self.engine = AsyncLLMEngine(engine_config, worker_launcher=self.launcher)
+        self.engine = AsyncLLMEngine(engine_config.with_(stream_item_ms=STREAM_ITEM_MS), worker_launcher=self.launcher)
         self._streams = 0                    # generate() calls in flight
         self._peers = None                   # this deployment's handle, for /stats
         self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id)
@@ -117,7 +117,6 @@ class EngineReplica(OpenAIRoutes):
         started = False
         reported: set[int] = set()
         self._streams += 1
-        self._set_stream_interval()
         try:
             async for outs in stream:
                 deltas = _merge([d for out in outs for d in _deltas(out, reported)])
@@ -137,17 +136,7 @@ class EngineReplica(OpenAIRoutes):
                 raise
         finally:
             self._streams -= 1
-            self._set_stream_interval()
             await stream.aclose()
-
-    def _set_stream_interval(self) -> None:
-        """Each stream's share of the replica's item budget: at 64 streams the engine core merges a request's
-        outputs for ~63 ms (its first and last go at once), so this process loads and sends ~16 items a second
-        per stream instead of one per engine step (replicas/stream_coalescer.py)."""
-        try:
-            self.engine.set_stream_interval((self._streams - 1) * STREAM_ITEM_SECONDS)
-        except OSError:             # the core is gone: the stream reports why
-            pass
 
     @staticmethod
     def _prompt(job: GenerationJob) -> Union[str, list[int], ChatPrompt]:

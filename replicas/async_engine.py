@@ -56,7 +56,6 @@ class AsyncLLMEngine:
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._error: Optional[BaseException] = None
-        self._interval = 0.0
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="tidal-engine-reader", daemon=True)
         self._reader.start()
@@ -174,14 +173,6 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
-
-    def set_stream_interval(self, seconds: float) -> None:
-        """Merge each request's outputs in the core until `seconds` have passed since its last one was sent
-        (0: an output per step); first and last outputs are never held."""
-        seconds = round(max(0.0, seconds), 3)
-        if seconds != self._interval and self._error is None:
-            self._interval = seconds
-            self._send(("interval", seconds))
 
     def abort(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)

@@ -82,6 +82,7 @@ class EngineConfig:
     drafter: Optional[str] = None        # folder saved by DominoDrafter.save
     spec_budget: int = 16                # draft nodes per request at small batches (the policy may pick 0)
     allow_random_drafter: bool = False   # tests only: a randomly initialised drafter when `drafter` is None
+    stream_item_ms: float = 0.0          # serving: with n requests streaming, each reports at most every (n-1) x this
 
     def with_(self, **kw) -> "EngineConfig":
         return replace(self, **kw)

@@ -68,7 +68,7 @@ class LLMEngine:
                                      ElasticPolicy(kv.lend_step_tokens), kv.reserve_bytes, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self.coalescer = StreamCoalescer()          # interval 0: every touched streaming request reports
+        self.coalescer = StreamCoalescer(config.stream_item_ms / 1e3)
         self.stats = EngineStats(kv_blocks_total=num_blocks - reserve)
         self.finished_timings: list[RequestTimings] = []
         self._rng = random.Random(config.seed)
@@ -178,7 +178,7 @@ class LLMEngine:
         self.stats.prefill_steps += prefill
         self.stats.iteration_tokens_total += batch.num_tokens
         outputs = []
-        for req in self.coalescer.due(touched, now):
+        for req in self.coalescer.due(touched, now, len(self.requests)):
             outputs.append(req.make_output())
             if req.finished:
                 self._retire(req)

@@ -7,11 +7,11 @@ the loop owns its interpreter; the serving process (`replicas.async_engine.Async
 and fans the step outputs out to its streams.
 
 Messages, client -> core:   ("add", rid, prompt, params) | ("abort", rid) | ("call", id, method, kwargs) |
-                            ("interval", seconds) | ("shutdown",)
+                            ("shutdown",)
           core -> client:   ("ready", EngineInfo) | ("outputs", [RequestOutput]) | ("error", rid, exception) |
                             ("reply", id, ok, value) | ("dead", traceback)
-A request's prompt ids travel with its first output only (the client keeps them for the later ones). With an
-interval set, a request reports only once that long has passed since its last output, which then carries
+A request's prompt ids travel with its first output only (the client keeps them for the later ones). With
+`EngineConfig.stream_item_ms` set, each of n requests reports at most every (n - 1) x that, an output carrying
 everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
 """
 from __future__ import annotations
@@ -92,8 +92,6 @@ class EngineCore:
         elif kind == "abort":
             self.engine.abort(msg[1])
             self.prompt_sent.discard(msg[1])
-        elif kind == "interval":
-            self.engine.coalescer.interval = msg[1]
         elif kind == "call":
             _, call_id, method, kwargs = msg
             try:

@@ -2,9 +2,11 @@
 
 A server streaming to many clients cannot use an output per request per step: at 64 streams the engine
 steps ~300 times a second, ~19,000 outputs a second for the engine core to build and pickle and for the
-serving process to load and fan out, on the GIL its HTTP side needs. With an interval set (the serving
-process, which knows how many streams it serves, sends `("interval", seconds)`), a request reports only
-when `interval` has passed since its last report. A request that does not report simply keeps its new
+serving process to load and fan out, on the GIL its HTTP side needs. With an item budget set
+(`EngineConfig.stream_item_ms`; `tidal serve` sets it), each of n streaming requests reports only once
+(n - 1) x the budget has passed since its last report: the serving process handles about one item per
+budget however many streams it serves, and a lone stream gets every step. A request that does not report
+simply keeps its new
 tokens and text: `Request.make_output` copies out everything since the previous output, so the merged
 output costs nothing to merge. A request's first output (its first token: TTFT) and its last one go out at
 once, so coalescing never delays a request's start or end (tests/test_stream_batches.py).
@@ -23,14 +25,15 @@ class Reporting(Protocol):
 
 
 class StreamCoalescer:
-    def __init__(self, interval: float = 0.0):
-        self.interval = interval
+    def __init__(self, item_seconds: float = 0.0):
+        self.item_seconds = item_seconds
         self.last_sent: dict[str, float] = {}
         self.held: dict[str, Reporting] = {}        # touched since their last report, not yet reported
 
-    def due(self, touched: dict[str, Reporting], now: float) -> list[Reporting]:
-        """The requests this step touched, plus any held ones, that report now (in touched order)."""
-        interval, last_sent, held = self.interval, self.last_sent, self.held
+    def due(self, touched: dict[str, Reporting], now: float, streams: int) -> list[Reporting]:
+        """The requests this step touched, plus any held ones, that report now (in touched order), with
+        `streams` requests in the engine."""
+        interval, last_sent, held = (streams - 1) * self.item_seconds, self.last_sent, self.held
         if interval <= 0 and not held:
             return [r for r in touched.values() if r.stream or r.finished]
         report = []

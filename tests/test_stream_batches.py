@@ -2,6 +2,8 @@
 fewer, larger items carrying exactly the tokens, text and finish reason of the per-step stream."""
 import asyncio
 
+import pytest
+
 from checkpoints import make_tiny_llama
 
 from cluster.protocol import ChoiceDelta
@@ -45,36 +47,50 @@ def test_slow_consumer_gets_batches_with_the_same_tokens(tmp_path):
     assert flat[-1].finished and len(flat[-1].outputs[0].token_ids) == 24
 
 
-def test_core_interval_merges_outputs_without_delaying_the_first_or_last(tmp_path):
-    """An interval far longer than the request: the first output goes out at once and everything after it
-    arrives as one merged output when the request ends, with exactly the per-step deltas (n=2, logprobs)."""
-    engine = AsyncLLMEngine(EngineConfig(model=make_tiny_llama(str(tmp_path / "m")), device="cpu"))
+def test_item_budget_merges_outputs_without_delaying_the_first_or_last(tmp_path):
+    """Two streams and an item budget far longer than the requests: each request's first output goes out at once
+    and everything after it arrives merged by the end, with exactly the per-step deltas (n=2, logprobs)."""
+    model = make_tiny_llama(str(tmp_path / "m"))
     params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True, logprobs=2)
 
-    async def run():
-        per_step = [o async for o in engine.generate([5, 6, 7], params, "steps")]
-        engine.set_stream_interval(600.0)
-        merged = await asyncio.wait_for(_collect(engine.generate([5, 6, 7], params, "merged")), timeout=120)
-        engine.set_stream_interval(0.0)
-        again = [o async for o in engine.generate([5, 6, 7], params, "again")]
-        return per_step, merged, again
+    async def run(engine, streams):
+        return await asyncio.wait_for(asyncio.gather(*(_collect(engine.generate([5, 6, 7], params, f"r{i}"))
+                                                       for i in range(streams))), timeout=120)
 
+    engine = AsyncLLMEngine(EngineConfig(model=model, device="cpu"))
     try:
-        per_step, merged, again = asyncio.run(run())
+        per_step_pair = asyncio.run(run(engine, 2))        # the same batches, an output per step
     finally:
         engine.shutdown()
-    assert len(merged) == 2 and merged[-1].finished and len(again) == len(per_step) > 2
+    engine = AsyncLLMEngine(EngineConfig(model=model, device="cpu", stream_item_ms=600_000.0))
+    try:
+        merged_pair = asyncio.run(run(engine, 2))
+        (alone,) = asyncio.run(run(engine, 1))             # a lone stream: every step, whatever the budget
+    finally:
+        engine.shutdown()
+    per_step = per_step_pair[0]
+    assert len(per_step) > 3 and len(alone) == len(per_step)
 
     def deltas(outs, index):
         picked = [o for out in outs for o in out.outputs if o.index == index]
         logprobs = [lp for o in picked for lp in (o.logprobs[-len(o.delta_token_ids):] if o.delta_token_ids else [])]
         return [t for o in picked for t in o.delta_token_ids], "".join(o.delta_text for o in picked), logprobs
 
-    for index in (0, 1):
-        assert deltas(merged, index) == deltas(per_step, index)
-        final = [o for o in merged[-1].outputs if o.index == index][0]
-        want = [o for o in per_step[-1].outputs if o.index == index][0]
-        assert (final.text, final.token_ids, final.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    for merged, per_step in zip(merged_pair, per_step_pair):
+        # first output, then at most one more while the other stream runs, then the last
+        assert 2 <= len(merged) <= 3 and merged[-1].finished and any(o.delta_token_ids for o in merged[0].outputs)
+        for index in (0, 1):
+            ids, text, logprobs = deltas(merged, index)
+            want_ids, want_text, want_logprobs = deltas(per_step, index)
+            assert (ids, text) == (want_ids, want_text)
+            # approx: the two runs may batch the requests' first steps differently (float32 sums in another order)
+            assert [sorted((t, v.rank, v.decoded_token) for t, v in lp.items()) for lp in logprobs] == \
+                [sorted((t, v.rank, v.decoded_token) for t, v in lp.items()) for lp in want_logprobs]
+            assert [v.logprob for lp in logprobs for v in lp.values()] == \
+                pytest.approx([v.logprob for lp in want_logprobs for v in lp.values()], abs=1e-4)
+            final = [o for o in merged[-1].outputs if o.index == index][0]
+            want = [o for o in per_step[-1].outputs if o.index == index][0]
+            assert (final.text, final.token_ids, final.finish_reason) == (want.text, want.token_ids, want.finish_reason)
 
 
 async def _collect(stream) -> list:
@@ -87,21 +103,21 @@ class _Req:
 
 
 def test_coalescer_holds_by_request_and_flushes_when_the_interval_passes():
-    c = StreamCoalescer(interval=0.05)
+    c = StreamCoalescer(item_seconds=0.025)                # 3 requests in the engine: a 50 ms interval
     a, b, quiet = _Req("a"), _Req("b"), _Req("q", stream=False)
 
     def ids(reqs):
         return [r.request_id for r in reqs]
 
-    assert ids(c.due({"a": a, "b": b, "q": quiet}, 0.0)) == ["a", "b"]             # first outputs at once
-    assert c.due({"a": a, "b": b}, 0.02) == []                                        # held
-    assert c.due({"a": a}, 0.04) == []                                                # b was preempted
-    assert ids(c.due({}, 0.06)) == ["a", "b"]                                         # interval passed
-    c.due({"b": b}, 0.07)
+    assert ids(c.due({"a": a, "b": b, "q": quiet}, 0.0, 3)) == ["a", "b"]          # first outputs at once
+    assert c.due({"a": a, "b": b}, 0.02, 3) == []                                     # held
+    assert c.due({"a": a}, 0.04, 3) == []                                             # b was preempted
+    assert ids(c.due({}, 0.06, 3)) == ["a", "b"]                                      # interval passed
+    c.due({"b": b}, 0.07, 3)
     c.forget("b")                                                                     # aborted
     assert "b" not in c.held and "b" not in c.last_sent
     a.finished = quiet.finished = True
-    assert ids(c.due({"a": a, "q": quiet}, 0.08)) == ["a", "q"]                       # last: at once
+    assert ids(c.due({"a": a, "q": quiet}, 0.08, 3)) == ["a", "q"]                    # last: at once
     assert c.held == {} and "a" not in c.last_sent
-    c.interval = 0.0
-    assert ids(c.due({"b": b, "q": _Req("q2", stream=False)}, 0.09)) == ["b"]         # interval 0: every step
+    assert ids(c.due({"b": b, "q": _Req("q2", stream=False)}, 0.09, 1)) == ["b"]      # one stream: every step
+    assert ids(c.due({"b": b}, 0.091, 1)) == ["b"]
