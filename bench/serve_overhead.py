@@ -261,8 +261,8 @@ def run(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {"direct": [], "front_door": [], "replica": []}
     try:
         vocab = engine.info.vocab_size
-        device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores, " \
-                                                                             f"{platform.processor() or platform.machine()})"
+        device = torch.cuda.get_device_name() if args.device == "cuda" else \
+            f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()})"
         server = LocalServer(serve_flags(model, args))
         model_id = server.wait_ready(READY_TIMEOUT_S)
         server_front_door = "HAProxy" if "(HAProxy;" in server.log_path.read_text(errors="replace") else "Serve proxy"
@@ -289,7 +289,8 @@ def run(args: argparse.Namespace) -> dict:
     if runs["replica"]:
         res["replica_direct_ingress"] = {**over_repeats(runs["replica"], runs["direct"]),
                                          "serve": runs["replica"][0], "serve_runs": runs["replica"]}
-    return {**res, "front_door": server_front_door, "repeats": args.repeats, "device": device, "torch": torch.__version__,
+    return {**res, "front_door": server_front_door, "repeats": args.repeats, "device": device,
+            "torch": torch.__version__,
             "model": args.model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)", "load_format": args.load_format,
             "ingress": args.ingress, "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,

@@ -210,23 +210,29 @@ class OpenAIRoutes:
         return streams, firsts
 
     async def _sse(self, streams: list, firsts: list[StreamStart], builder: ResponseBuilder) -> AsyncIterator[str]:
+        """The events of one frame go out as one write (each write is a trip through Serve's and Starlette's
+        send wrappers and a syscall); the last frame's wait for the streams' end and go with the usage chunk and
+        [DONE]."""
         done = False
+        events = [_sse(c) for c in builder.opening_chunks()]
         try:
-            for chunk in builder.opening_chunks():
-                yield _sse(chunk)
             for i, first in enumerate(firsts):
-                for chunk in builder.add(i, first.deltas):
-                    yield _sse(chunk)
+                events += [_sse(c) for c in builder.add(i, first.deltas)]
+            if events and not builder.finished:
+                yield "".join(events)
+                events = []
             async for job_index, deltas in _merge(streams):
-                for chunk in builder.add(job_index, deltas):
-                    yield _sse(chunk)
+                events += [_sse(c) for c in builder.add(job_index, deltas)]
+                if events and not builder.finished:
+                    yield "".join(events)
+                    events = []
             done = True
             usage = builder.usage_chunk()
             if usage is not None:
-                yield _sse(usage)
+                events.append(_sse(usage))
         except Exception as e:  # the engine died mid-stream: tell the client in-band
-            yield _sse(_as_openai_error(e).body())
+            events.append(_sse(_as_openai_error(e).body()))
         finally:
             if not done:
                 await _close_all(streams)
-        yield "data: [DONE]\n\n"
+        yield "".join(events) + "data: [DONE]\n\n"

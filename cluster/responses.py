@@ -142,6 +142,11 @@ class ResponseBuilder:
             chunks.append(self._chunk(choice))
         return chunks
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has its finish reason: no more frames will come."""
+        return all(f is not None for f in self.finish)
+
     def usage(self) -> Usage:
         completion = sum(self.num_tokens)
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,

@@ -6,10 +6,9 @@ serving process to load and fan out, on the GIL its HTTP side needs. With an ite
 (`EngineConfig.stream_item_ms`; `tidal serve` sets it), each of n streaming requests reports only once
 (n - 1) x the budget has passed since its last report: the serving process handles about one item per
 budget however many streams it serves, and a lone stream gets every step. A request that does not report
-simply keeps its new
-tokens and text: `Request.make_output` copies out everything since the previous output, so the merged
-output costs nothing to merge. A request's first output (its first token: TTFT) and its last one go out at
-once, so coalescing never delays a request's start or end (tests/test_stream_batches.py).
+simply keeps its new tokens and text: `Request.make_output` copies out everything since the previous
+output, so merging costs nothing. A request's first output (its first token: TTFT) and its last one go out
+at once, so coalescing never delays a request's start or end (tests/test_stream_batches.py).
 """
 from __future__ import annotations
 

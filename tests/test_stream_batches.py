@@ -1,13 +1,16 @@
-"""The async engine's batched stream and the replica's merge: a consumer slower than the engine receives
-fewer, larger items carrying exactly the tokens, text and finish reason of the per-step stream."""
+"""The async engine's batched stream, the engine's stream-item budget, the replica's merge and the SSE writes: a
+consumer slower than the engine receives fewer, larger items carrying exactly the tokens, text and finish reason
+of the per-step stream."""
 import asyncio
 
 import pytest
 
 from checkpoints import make_tiny_llama
 
-from cluster.protocol import ChoiceDelta
+from cluster.ingress import OpenAIRoutes
+from cluster.protocol import ChoiceDelta, StreamStart
 from cluster.replica import _merge
+from cluster.responses import ResponseBuilder
 from replicas import EngineConfig, SamplingParams
 from replicas.async_engine import AsyncLLMEngine
 from replicas.stream_coalescer import StreamCoalescer
@@ -121,3 +124,30 @@ def test_coalescer_holds_by_request_and_flushes_when_the_interval_passes():
     assert c.held == {} and "a" not in c.last_sent
     assert ids(c.due({"b": b, "q": _Req("q2", stream=False)}, 0.09, 1)) == ["b"]      # one stream: every step
     assert ids(c.due({"b": b}, 0.091, 1)) == ["b"]
+
+
+def test_sse_sends_each_frame_at_once_and_the_last_with_usage_and_done():
+    """One write per frame, as soon as it comes; the frame that finishes every choice waits for the stream's end
+    and leaves with the usage chunk and [DONE] in the same write."""
+    release = asyncio.Event()
+
+    async def frames():
+        await release.wait()
+        yield [ChoiceDelta(0, " world", [2], None, None)]
+        yield [ChoiceDelta(0, "!", [3], None, "length")]
+
+    async def run():
+        builder = ResponseBuilder("completion", "cmpl-1", "m", 1, 1, None, include_usage=True)
+        first = StreamStart("r", 5, [ChoiceDelta(0, "Hello", [1], None, None)])
+        builder.start(0, first)
+        writes = OpenAIRoutes._sse(None, [frames()], [first], builder)
+        opening = await writes.__anext__()             # the first token, before the stream has produced more
+        release.set()
+        return opening, [w async for w in writes]
+
+    opening, rest = asyncio.run(run())
+    assert opening.count("data: ") == 1 and '"text":"Hello"' in opening
+    assert len(rest) == 2 and rest[0].count("data: ") == 1 and '" world"' in rest[0]
+    last = rest[1].split("\n\n")
+    assert '"finish_reason":"length"' in last[0] and '"usage":' in last[1] and last[2] == "data: [DONE]" \
+        and '"completion_tokens":3' in last[1]
