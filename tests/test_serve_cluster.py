@@ -20,6 +20,7 @@ import requests
 from checkpoints import make_tiny_llama
 
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
+import cluster.replica as replica_module
 from cluster.replica import EngineReplica
 from replicas import LLM, EngineConfig, SamplingParams
 from replicas.loaders import load_checkpoint
@@ -222,16 +223,18 @@ def replica(tiny_llama):
     r.__del__()
 
 
+async def frames_of(replica, job, stop_after: int | None = None) -> list:
+    frames, stream = [], replica.generate(job)
+    async for frame in stream:
+        frames.append(frame)
+        if stop_after is not None and len(frames) >= stop_after:
+            await stream.aclose()
+            break
+    return frames
+
+
 def run_job(replica, job, stop_after: int | None = None) -> list:
-    async def collect():
-        frames, stream = [], replica.generate(job)
-        async for frame in stream:
-            frames.append(frame)
-            if stop_after is not None and len(frames) >= stop_after:
-                await stream.aclose()
-                break
-        return frames
-    return asyncio.run(collect())
+    return asyncio.run(frames_of(replica, job, stop_after))
 
 
 def test_replica_streams_start_then_deltas(replica):
@@ -251,23 +254,31 @@ def test_replica_streams_start_then_deltas(replica):
                    for d in mine if d.token_ids)
 
 
-def test_replica_paces_items_under_load_without_losing_tokens(replica):
-    """With many streams in flight the engine core merges each stream's outputs for its share of the item
-    budget, so the engine's steps arrive as fewer, larger items; the tokens and the finish reason are exactly
-    those of an unpaced stream."""
+def test_replica_engine_runs_the_item_budget_without_losing_tokens(tiny_llama, monkeypatch):
+    """The replica's engine runs its stream-item budget (cluster.replica.STREAM_ITEM_MS, here a minute per other
+    stream): with another stream in flight a stream's steps arrive as fewer, larger frames, with exactly the tokens
+    and finish reason of a lone stream (the engine side: tests/test_stream_batches.py)."""
+    monkeypatch.setattr(replica_module, "STREAM_ITEM_MS", 60_000.0)
+    r = EngineReplica(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    alone = run_job(replica, GenerationJob("pace-alone", params, prompt=[5, 6, 7]))
-    replica._streams += 40                       # as if 40 other streams were being served: ~40 ms per item
+
+    async def pair():
+        return await asyncio.gather(*(frames_of(r, GenerationJob(f"pace-{i}", params, prompt=[5, 6, 7]))
+                                      for i in range(2)))
     try:
-        paced = run_job(replica, GenerationJob("pace-loaded", params, prompt=[5, 6, 7]))
+        assert r.engine.config.stream_item_ms == 60_000.0
+        alone = run_job(r, GenerationJob("pace-alone", params, prompt=[5, 6, 7]))
+        paced = asyncio.run(pair())
     finally:
-        replica._streams -= 40
+        r.__del__()
 
     def tokens(frames):
         ds = list(frames[0].deltas) + [d for f in frames[1:] for d in f]
         return [t for d in ds for t in d.token_ids], [d.finish_reason for d in ds if d.finish_reason]
-    assert tokens(paced) == tokens(alone) and len(tokens(alone)[0]) == 24
-    assert len(paced) < len(alone), (len(paced), len(alone))
+    assert tokens(paced[0]) == tokens(paced[1]) == tokens(alone) and len(tokens(alone)[0]) == 24
+    # a lone stream gets (about) every step; of two, the first to finish got its first and its last frame only,
+    # plus at most one from a step it ran before the other arrived
+    assert len(alone) > 3 and min(len(f) for f in paced) <= 3, (len(alone), [len(f) for f in paced])
 
 
 def test_replica_refuses_bad_prompts_with_a_failure_frame(replica):
