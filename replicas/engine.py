@@ -157,12 +157,10 @@ class LLMEngine:
         aux = self.runner.last_aux_hidden if spec is not None else None
         if aux:
             spec.observe_step(batch, step, aux)
-        prefill = False
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if batch.num_drafts(i):
                 continue
             before = seq.num_computed_tokens
-            prefill = prefill or n > 1 or before < seq.num_prompt_tokens
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, before)
         if drafted:
@@ -175,7 +173,7 @@ class LLMEngine:
             self._append_token(seq, tokens[row], out, row, now)
             touched[seq.request_id] = self.requests[seq.request_id]
         self.stats.num_steps += 1
-        self.stats.prefill_steps += prefill
+        self.stats.prefill_steps += batch.has_prefill
         self.stats.iteration_tokens_total += batch.num_tokens
         outputs = []
         for req in self.coalescer.due(touched, now, len(self.requests)):
@@ -250,8 +248,7 @@ class LLMEngine:
         return {tid: Logprob(v, r, decode([tid], skip_special_tokens=False)) for tid, (v, r) in pairs.items()}
 
     def _retire(self, req: Request) -> None:
-        del self.requests[req.request_id]
-        self.coalescer.forget(req.request_id)
+        del self.requests[req.request_id]           # the coalescer dropped it when it reported its last output
         self.stats.requests_finished += 1
         for seq in req.seqs:
             if self.speculator is not None:

@@ -29,6 +29,11 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     @property
+    def has_prefill(self) -> bool:
+        """A row takes more tokens than a decode (one) or a verify (one plus its draft nodes) would."""
+        return self.num_tokens > len(self.seqs) + sum(self.drafts)
+
+    @property
     def is_empty(self) -> bool:
         return not self.seqs
 

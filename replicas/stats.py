@@ -31,7 +31,7 @@ class EngineStats:
     max_num_batched_tokens: int = 0
     # counters (monotonic)
     num_steps: int = 0
-    prefill_steps: int = 0                 # steps that ran prompt tokens (not a decode-only step)
+    prefill_steps: int = 0                 # steps with a prompt chunk (more than decode/verify tokens)
     prompt_tokens: int = 0                 # prompt tokens of requests that reached their first token (cache hits included)
     generation_tokens: int = 0
     prefix_cache_queries: int = 0          # prompt tokens looked up

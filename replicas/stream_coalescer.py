@@ -33,7 +33,7 @@ class StreamCoalescer:
         """The requests this step touched, plus any held ones, that report now (in touched order), with
         `streams` requests in the engine."""
         interval, last_sent, held = (streams - 1) * self.item_seconds, self.last_sent, self.held
-        if interval <= 0 and not held:
+        if interval <= 0 and not last_sent:          # nothing held or timed: every streaming request reports
             return [r for r in touched.values() if r.stream or r.finished]
         report = []
         for rid, req in touched.items():

@@ -1,7 +1,7 @@
 """Scheduler: one token budget, chunked prefill, preemption newest first, lookahead."""
 from memory.block_manager import BlockManager
 from replicas.sampling_params import SamplingParams
-from replicas.scheduler import Scheduler
+from replicas.scheduler import ScheduledBatch, Scheduler
 from replicas.sequence import Sequence, SequenceStatus
 
 
@@ -62,3 +62,10 @@ def test_budget_change_takes_effect_next_step():
     assert sched.schedule().num_tokens == 8
     sched.set_budget(20)
     assert sched.schedule().num_tokens == 20
+
+
+def test_batch_has_prefill_only_when_a_row_takes_more_than_decode_or_verify_tokens():
+    assert not ScheduledBatch([object(), object()], [1, 1]).has_prefill                  # two decodes
+    assert not ScheduledBatch([object(), object()], [1, 5], drafts=[0, 4]).has_prefill   # decode + verify of 4 nodes
+    assert ScheduledBatch([object(), object()], [1, 128]).has_prefill                    # decode + prompt chunk
+    assert ScheduledBatch([object(), object()], [3, 5], drafts=[0, 4]).has_prefill
