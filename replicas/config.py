@@ -76,6 +76,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"      # "auto" | "torch" | "triton"
     enforce_eager: bool = False          # no CUDA graphs
+    mixed_graph_tokens: int = 1024       # steps with prefill chunks of up to this many tokens replay graphs (0: eager)
     seed: int = 0
     distributed_backend: str = "auto"    # "auto" | "gloo" | "nccl"
     speculative: Optional[str] = None    # None | "dominotree" | "chain" | "ddtree" (docs/speculative.md)

@@ -1,14 +1,21 @@
-"""CUDA graphs for decode and verify steps, captured into one pool, largest first.
+"""CUDA graphs for engine steps, captured into one pool, largest first.
 
-A graph is keyed by its aux layers (the drafter's target layers whose residual stream it also outputs; () for
-plain decoding), its batch-size bucket and its query length q: q = 1 is a decode step (one graph per bucket),
-q = 1 + n a speculative verify step where every request checks a draft tree of n nodes under a tree mask (only
-the (bucket, n) pairs a budget policy picks are captured: replicas/spec_profile.py).
+Decode and verify graphs are keyed by their aux layers (the drafter's target layers whose residual stream they
+also output; () for plain decoding), their batch-size bucket and their query length q: q = 1 is a decode step
+(one graph per bucket), q = 1 + n a speculative verify step where every request checks a draft tree of n nodes
+under a tree mask (only the (bucket, n) pairs a budget policy picks are captured: replicas/spec_profile.py).
+Each reads static input buffers; a step copies its inputs into the first `b` lanes and pads the rest with slot
+-1 (their K/V is written nowhere) and a context of exactly their q new tokens read from block 0 (their output
+is ignored).
 
-Each graph reads static input buffers; a step copies its inputs into the first `b` lanes and pads the rest with
-slot -1 (their K/V is written nowhere) and a context of exactly their q new tokens read from block 0 (their
-output is ignored). The KV tensors' addresses never change after start-up, so graphs are captured once. A
-replay's outputs are overwritten by the next replay: `run` hands out views, the caller copies what it keeps."""
+Mixed graphs run any other step without a tree (prefill chunks, alone or beside decodes) of up to
+`max_mixed_tokens` tokens: one graph per token bucket T, with min(T, max_num_seqs) lanes. Padded lanes have no
+new tokens (the extend kernel's packed tile grid never visits them) and padded token rows write nowhere and
+are sliced off; rows are independent in every other op. Eagerly such a step is launch-bound: ~300 launches
+from Python, ~20 ms for a 128-token prefill of SmolLM2 on the H200 (docs/engine.md).
+
+The KV tensors' addresses never change after start-up, so graphs are captured once. A replay's outputs are
+overwritten by the next replay: `run` hands out views, the caller copies what it keeps."""
 from __future__ import annotations
 
 import bisect
@@ -28,43 +35,60 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
+def mixed_token_sizes(max_tokens: int) -> list[int]:
+    """Token buckets of the mixed graphs: up to the first that holds `max_tokens` (at most 1,024; 0: none)."""
+    sizes = [16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024]
+    return [s for i, s in enumerate(sizes) if max_tokens > 0 and (i == 0 or sizes[i - 1] < max_tokens)]
+
+
 @dataclass
 class GraphEntry:
     replay: Callable[[], None]
-    hidden: torch.Tensor                 # [b * q, H] final hidden states (static)
-    aux: list[torch.Tensor]              # [b * q, H] per aux layer (static)
+    hidden: torch.Tensor                 # [tokens, H] final hidden states (static)
+    aux: list[torch.Tensor]              # [tokens, H] per aux layer (static)
 
 
 class _TokenBuffers:
-    """Static per-token inputs of the graphs with query length q, for every lane."""
+    """Static per-token inputs of the graphs with query length q, for every lane (q = 0: the mixed graphs',
+    `lanes` tokens and a query_start_loc the step writes)."""
 
-    def __init__(self, lanes: int, q: int, device: torch.device):
+    def __init__(self, lanes: int, q: int, device: torch.device, tokens: int = 0):
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(lanes * q, **i64)
-        self.positions = torch.zeros(lanes * q, **i64)
-        self.slot_mapping = torch.full((lanes * q,), -1, **i64)
-        self.query_start_loc = torch.arange(0, lanes * q + 1, q, dtype=torch.int32, device=device)
+        tokens = tokens or lanes * q
+        self.input_ids = torch.zeros(tokens, **i64)
+        self.positions = torch.zeros(tokens, **i64)
+        self.slot_mapping = torch.full((tokens,), -1, **i64)
+        self.query_start_loc = torch.arange(0, lanes * q + 1, q, dtype=torch.int32, device=device) if q else \
+            torch.zeros(lanes + 1, dtype=torch.int32, device=device)
         self.tree_mask = torch.ones(lanes, q, q, dtype=torch.bool, device=device) if q > 1 else None
 
 
 class DecodeGraphs:
-    """The runner's step graphs: decode graphs per bucket (and aux-layer tuple), and a speculative engine's verify
-    graphs per (bucket, nodes)."""
+    """The runner's step graphs: decode graphs per bucket (and aux-layer tuple), a speculative engine's verify
+    graphs per (bucket, nodes), and mixed graphs per token bucket (and aux-layer tuple)."""
 
     def __init__(self, model, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_model_len: int):
+                 max_model_len: int, max_mixed_tokens: int = 0):
         self.model, self.device = model, device
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = max_model_len
+        self.mixed_sizes = mixed_token_sizes(max_mixed_tokens)
         n = self.sizes[-1]
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.tokens: dict[int, _TokenBuffers] = {1: _TokenBuffers(n, 1, device)}
+        self.tokens: dict[int, _TokenBuffers] = {1: _TokenBuffers(self.sizes[-1], 1, device)}
+        if self.mixed_sizes:
+            self.tokens[0] = _TokenBuffers(n, 0, device, tokens=self.mixed_sizes[-1])
         self.graphs: dict[tuple[int, ...], dict[tuple[int, int], GraphEntry]] = {}   # aux -> (bucket, q) -> graph
+        self.mixed: dict[tuple[int, ...], dict[int, GraphEntry]] = {}                  # aux -> tokens -> graph
         self.pool = None
 
     def bucket(self, batch: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, batch)]
+
+    def _lanes(self, tokens: int) -> int:
+        """Lanes of the mixed graph of `tokens` tokens: a step has at most one request per token."""
+        return self.bucket(min(tokens, self.sizes[-1]))
 
     def _context(self, b: int, q: int = 1) -> ForwardContext:
         buf = self.tokens[q]
@@ -73,40 +97,63 @@ class DecodeGraphs:
                                self.max_model_len, tree)
         return ForwardContext(batch, buf.slot_mapping[: b * q], backend_state={"decode": q == 1})
 
+    def _mixed_context(self, tokens: int) -> ForwardContext:
+        lanes, buf = self._lanes(tokens), self.tokens[0]
+        batch = AttentionBatch(buf.query_start_loc[: lanes + 1], self.seq_lens[:lanes], self.block_tables[:lanes],
+                               tokens, self.max_model_len, None)
+        return ForwardContext(batch, buf.slot_mapping[:tokens], backend_state={"decode": False})
+
     def _forward(self, b: int, aux_layers: tuple[int, ...], q: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
         buf = self.tokens[q]
         with forward_context(self._context(b, q)):
             return self.model(buf.input_ids[: b * q], buf.positions[: b * q], aux_layers)
 
-    def _record(self, b: int, aux_layers: tuple[int, ...], q: int = 1) -> GraphEntry:
-        self._forward(b, aux_layers, q)                                   # warm-up (Triton compiles here)
+    def _forward_mixed(self, tokens: int, aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        buf = self.tokens[0]
+        with forward_context(self._mixed_context(tokens)):
+            return self.model(buf.input_ids[:tokens], buf.positions[:tokens], aux_layers)
+
+    def _record(self, forward: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]], label) -> GraphEntry:
+        """label: the graph's query length (decode, verify) or ("mixed", tokens)."""
+        forward()                                                         # warm-up (Triton compiles here)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden, aux = self._forward(b, aux_layers, q)
+            hidden, aux = forward()
         return GraphEntry(graph.replay, hidden, list(aux))       # the bound replay keeps the graph alive
 
-    def _capture(self, aux_layers: tuple[int, ...], shapes: Iterable[tuple[int, int]]) -> None:
-        table = self.graphs.setdefault(tuple(aux_layers), {})
-        todo = sorted((s for s in set(shapes) if s not in table), key=lambda s: s[0] * s[1], reverse=True)
+    def _capture(self, aux_layers: tuple[int, ...], shapes: Iterable[tuple[int, int]], mixed: bool = False) -> None:
+        aux = tuple(aux_layers)
+        table = self.graphs.setdefault(aux, {})
+        mixed_table = self.mixed.setdefault(aux, {})
+        todo = [(b * q, b, q) for b, q in set(shapes) if (b, q) not in table]
+        if mixed:
+            todo += [(t, 0, t) for t in self.mixed_sizes if t not in mixed_table]
         if not todo:
             return
         if self.pool is None and self.device.type == "cuda":
             self.pool = torch.cuda.graph_pool_handle()
-        for b, q in todo:
+        for _, b, q in sorted(todo, reverse=True):                       # largest first: one pool serves all
+            if b == 0:                                                   # a mixed graph of q tokens
+                buf = self.tokens[0]
+                buf.slot_mapping.fill_(-1)
+                buf.query_start_loc.zero_()                              # every lane empty: attends to nothing
+                mixed_table[q] = self._record(lambda t=q: self._forward_mixed(t, aux), ("mixed", q))
+                continue
             if q not in self.tokens:
                 self.tokens[q] = _TokenBuffers(self.sizes[-1], q, self.device)
             self.tokens[q].slot_mapping.fill_(-1)          # capture on padded-lane inputs: writes nothing
             self.seq_lens[:b].fill_(q)
             self.block_tables[:b, :q] = 0
-            table[(b, q)] = self._record(b, tuple(aux_layers), q)
+            table[(b, q)] = self._record(lambda b=b, q=q: self._forward(b, aux, q), q)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def capture(self, aux_layers: tuple[int, ...] = ()) -> None:
-        """The decode graphs of every bucket for steps asking for `aux_layers` (() = plain decoding)."""
-        self._capture(aux_layers, [(b, 1) for b in self.sizes])
+        """The decode graphs of every bucket and the mixed graphs of every token bucket for steps asking for
+        `aux_layers` (() = plain decoding)."""
+        self._capture(aux_layers, [(b, 1) for b in self.sizes], mixed=True)
 
     @torch.inference_mode()
     def capture_verify(self, aux_layers: tuple[int, ...], shapes: Iterable[tuple[int, int]]) -> None:
@@ -123,39 +170,60 @@ class DecodeGraphs:
             del table[(b, q)]
 
     def _shape(self, step: StepInput) -> tuple[int, int] | None:
-        """(bucket, q) of a step these graphs can run: decodes only, or verifies of one tree size only."""
+        """(bucket, q) of a decode or verify step, (0, token bucket) of a mixed step, None if no graph fits."""
         b, t = len(step.seq_lens), step.num_tokens
         if b == 0 or b > self.sizes[-1] or step.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
         if step.tree_mask is None:
-            return (self.bucket(b), 1) if t == b else None
+            if t == b:
+                return self.bucket(b), 1
+            if self.mixed_sizes and t <= self.mixed_sizes[-1]:
+                return 0, self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, t)]
+            return None
         q = t // b
         if q * b != t or step.tree_mask.shape != (b, q, q) or np.any(np.diff(step.query_start_loc) != q):
             return None
         return self.bucket(b), q
 
-    def can_run(self, step: StepInput) -> bool:
+    def _entry(self, step: StepInput) -> GraphEntry | None:
         shape = self._shape(step)
-        return shape is not None and shape in self.graphs.get(tuple(step.aux_layers), {})
+        if shape is None:
+            return None
+        if shape[0] == 0:
+            return self.mixed.get(tuple(step.aux_layers), {}).get(shape[1])
+        return self.graphs.get(tuple(step.aux_layers), {}).get(shape)
+
+    def can_run(self, step: StepInput) -> bool:
+        return self._entry(step) is not None
+
+    def _copy_tables(self, step: StepInput) -> None:
+        b, width = len(step.seq_lens), step.block_tables.shape[1]
+        self.seq_lens[:b].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)
+        self.block_tables[:b, :width].copy_(torch.from_numpy(np.ascontiguousarray(step.block_tables)),
+                                            non_blocking=True)
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Replays the step's graph; returns views of the first b lanes' rows: final hidden states, aux layers."""
+        """Replays the step's graph; returns views of the step's rows: final hidden states, aux layers."""
         size, q = self._shape(step)
         b, t = len(step.seq_lens), step.num_tokens
-        buf = self.tokens[q]
+        buf = self.tokens[0 if size == 0 else q]
+        if size == 0:
+            lanes = self._lanes(q)
+            buf.query_start_loc[: b + 1].copy_(torch.from_numpy(step.query_start_loc), non_blocking=True)
+            buf.query_start_loc[b + 1: lanes + 1].fill_(t)               # padded lanes: no new tokens
+            pad_to = q
+        else:
+            self.seq_lens[b:size].fill_(q)
+            self.block_tables[b:size, :q] = 0  # padded lanes read block 0, never a stale (maybe unmapped) block
+            if q > 1:
+                buf.tree_mask[:b].copy_(torch.from_numpy(np.ascontiguousarray(step.tree_mask)), non_blocking=True)
+            pad_to = size * q
         buf.input_ids[:t].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
         buf.positions[:t].copy_(torch.from_numpy(step.positions), non_blocking=True)
         buf.slot_mapping[:t].copy_(torch.from_numpy(step.slot_mapping), non_blocking=True)
-        buf.slot_mapping[t:size * q].fill_(-1)
-        self.seq_lens[:b].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)
-        self.seq_lens[b:size].fill_(q)
-        self.block_tables[b:size, :q] = 0    # padded lanes read block 0, never a stale (maybe unmapped) block
-        width = step.block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(torch.from_numpy(np.ascontiguousarray(step.block_tables)),
-                                            non_blocking=True)
-        if q > 1:
-            buf.tree_mask[:b].copy_(torch.from_numpy(np.ascontiguousarray(step.tree_mask)), non_blocking=True)
-        entry = self.graphs[tuple(step.aux_layers)][(size, q)]
+        buf.slot_mapping[t:pad_to].fill_(-1)
+        self._copy_tables(step)
+        entry = self._entry(step)
         entry.replay()
         return entry.hidden[:t], [a[:t] for a in entry.aux]

@@ -180,8 +180,9 @@ class ModelRunner:
         if self.gemm_table is None:          # once, before the first capture: the graphs bake the choice in
             self.gemm_table = tune_linear_layers(self.model, graph_batch_sizes(self.config.max_num_seqs),
                                                  self.device) or {}
-        self.graphs = DecodeGraphs(self.model, self.device, self.config.max_num_seqs,
-                                   -(-self.max_model_len // self.block_size), self.max_model_len)
+        cfg = self.config
+        self.graphs = DecodeGraphs(self.model, self.device, cfg.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                   self.max_model_len, min(cfg.mixed_graph_tokens, cfg.max_num_batched_tokens))
         self.graphs.capture()
         if self.graph_aux_layers:
             self.graphs.capture(self.graph_aux_layers)

@@ -196,6 +196,24 @@ def test_extend_strided_q_out_buffer_and_empty_request():
     torch.testing.assert_close(out, ref.attention_reference(q, kv, batch, spec), **TOL[torch.float32])
 
 
+def test_extend_in_a_mixed_graph_layout_equals_the_plain_batch():
+    """As a mixed CUDA graph runs it: the token rows padded to the bucket, lanes beyond the batch with no new
+    tokens, max_query_len the bucket. The real rows equal the plain batch's; the packed grid skips the rest."""
+    gen = torch.Generator().manual_seed(14)
+    spec = spec_for(9, 3, 64, 16)                    # SmolLM2's head group of 3 (42 tokens per tile)
+    q, kv, batch = make_batch(spec, [1, 1, 50, 1, 7], [40, 9, 50, 130, 20], torch.float32, gen)
+    bucket, lanes = 128, 8
+    q_pad = torch.cat([q, torch.randn(bucket - q.shape[0], 9, 64, generator=gen).to(DEVICE)])
+    starts = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:].repeat(lanes - 5)])
+    seq_lens = torch.cat([batch.seq_lens, torch.zeros(lanes - 5, dtype=torch.int32, device=DEVICE)])
+    tables = torch.cat([batch.block_tables, torch.zeros(lanes - 5, batch.block_tables.shape[1], dtype=torch.int32,
+                                                        device=DEVICE)])
+    padded = AttentionBatch(starts, seq_lens, tables, bucket, 4096)
+    out = paged_extend_attention(q_pad, kv, padded, spec, out=torch.zeros_like(q_pad))
+    torch.testing.assert_close(out[: q.shape[0]], ref.attention_reference(q, kv, batch, spec), **TOL[torch.float32])
+    assert torch.equal(out[q.shape[0]:], torch.zeros_like(out[q.shape[0]:]))     # padded rows are never written
+
+
 def test_extend_on_a_decode_batch_equals_decode_kernel():
     gen = torch.Generator().manual_seed(13)
     spec = spec_for(8, 2, 64, 16)

@@ -5,7 +5,7 @@ index 0 of dim 1 is K, 1 is V. Token slot `s = block_id * block_size + offset`; 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -52,6 +52,18 @@ class AttentionBatch:
     # tree_mask[b, i, j]: new token i of request b may see new token j of request b. The prefix (context before
     # the new tokens) is always visible. None = causal (or full, if spec.causal is False) among new tokens.
     tree_mask: Optional[Tensor] = None   # [B, max_query_len, max_query_len] bool
+    _tile_ends: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tile_ends(self, tokens_per_tile: int) -> Tensor:
+        """[B] int32: tiles of `tokens_per_tile` new tokens through each request (running count), computed on
+        the device once per forward (every layer of a forward shares this batch; a graph records it once)."""
+        ends = self._tile_ends.get(tokens_per_tile)
+        if ends is None:
+            q_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+            ends = torch.cumsum(torch.div(q_lens + (tokens_per_tile - 1), tokens_per_tile, rounding_mode="floor"),
+                                0, dtype=torch.int32)
+            self._tile_ends[tokens_per_tile] = ends
+        return ends
 
     @property
     def num_seqs(self) -> int:

@@ -1,7 +1,10 @@
 """Paged extend attention for mixed batches: prefill chunks, decodes and tree verifies in one launch.
 
-Program (tile, b, kv_head) owns BLOCK_M rows = BLOCK_M // group new tokens x the `group` query heads of one KV
-head, so every K/V tile is loaded once for the whole head group. It streams the paged prefix (fully visible,
+Program (p, kv_head) owns BLOCK_M rows = BLOCK_M // group new tokens x the `group` query heads of one KV head,
+so every K/V tile is loaded once for the whole head group. The grid packs every request's tiles: tile_ends
+holds the running count of tiles through each request, and program p finds its request as the first whose
+count exceeds p. The grid is cdiv(T, tokens per tile) + B programs per KV head, whatever the lengths, which
+a CUDA graph of T tokens and B lanes needs: a (longest request x B) grid would be mostly empty there. It streams the paged prefix (fully visible,
 no per-key mask beyond the sliding window), then the new tokens under the causal or tree mask, with an online
 softmax in float32 (exp2 domain).
 """
@@ -52,19 +55,25 @@ def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, key_pos, key
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, tree_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    tile_ends_ptr, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt, stride_tree_b, stride_tree_i,
     scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_B: tl.constexpr,
 ):
     TOKENS: tl.constexpr = BLOCK_M // GROUP
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    p = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK_B)
+    ends = tl.load(tile_ends_ptr + lanes, mask=lanes < num_seqs, other=2 ** 30)
+    before = ends <= p
+    b_all = tl.sum(before.to(tl.int32))                 # p's request, or num_seqs past the last tile
+    b = tl.minimum(b_all, num_seqs - 1)
+    tile = p - tl.max(tl.where(before, ends, 0))
     q_start = tl.load(query_start_ptr + b)
-    q_len = tl.load(query_start_ptr + b + 1) - q_start
+    q_len = tl.where(b_all < num_seqs, tl.load(query_start_ptr + b + 1) - q_start, 0)
     tok0 = tile * TOKENS
     if tok0 >= q_len:
         return
@@ -157,10 +166,11 @@ def paged_extend_attention(q: Tensor, kv_cache: Tensor, batch: AttentionBatch, s
         assert tree.dtype == torch.bool and tree.stride(-1) == 1 and tree.shape[0] == num_seqs
         tree = tree.view(torch.uint8)
     k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
-    grid = (triton.cdiv(batch.max_query_len, block_m // group), num_seqs, spec.num_kv_heads)
+    tokens_per_tile = block_m // group
+    grid = (triton.cdiv(num_tokens, tokens_per_tile) + num_seqs, spec.num_kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-        tree if tree is not None else batch.seq_lens,
+        tree if tree is not None else batch.seq_lens, batch.tile_ends(tokens_per_tile), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), batch.block_tables.stride(0),
         tree.stride(0) if tree is not None else 0, tree.stride(1) if tree is not None else 0,
@@ -169,6 +179,7 @@ def paged_extend_attention(q: Tensor, kv_cache: Tensor, batch: AttentionBatch, s
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         CAUSAL=spec.causal, HAS_TREE=tree is not None, HAS_WINDOW=spec.sliding_window is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        BLOCK_B=max(16, triton.next_power_of_2(num_seqs)),
         num_warps=8 if block_m >= 128 else 4, num_stages=tuning.num_stages,
     )
     return out

@@ -40,3 +40,19 @@ def decode_step(aux_layers, b: int, first_len: int = 20) -> StepInput:
                      slot_mapping=(blocks[np.arange(b), last // 16] * 16 + last % 16).astype(np.int64),
                      query_start_loc=np.arange(b + 1, dtype=np.int32), seq_lens=lens, block_tables=blocks,
                      sample_indices=np.arange(b, dtype=np.int64), aux_layers=aux_layers)
+
+
+def mixed_step(aux_layers, chunks: list[int], prefixes: list[int]) -> StepInput:
+    """Requests with `prefixes[i]` tokens cached computing `chunks[i]` new ones (1: a decode), each in its own
+    blocks, every request sampling its last new token."""
+    q = np.asarray(chunks)
+    lens = (np.asarray(prefixes) + q).astype(np.int32)
+    width = -(-int(lens.max()) // 16)
+    tables = np.arange(1, len(q) * width + 1, dtype=np.int32).reshape(len(q), width)
+    pos = np.concatenate([np.arange(p, p + n) for p, n in zip(prefixes, chunks)]).astype(np.int64)
+    rows = np.repeat(np.arange(len(q)), q)
+    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    return StepInput(input_ids=(7 + np.arange(len(pos)) % 200).astype(np.int64), positions=pos,
+                     slot_mapping=(tables[rows, pos // 16] * 16 + pos % 16).astype(np.int64), query_start_loc=qsl,
+                     seq_lens=lens, block_tables=tables, sample_indices=(qsl[1:] - 1).astype(np.int64),
+                     aux_layers=aux_layers)
