@@ -69,6 +69,8 @@ def _extend_kernel(
     lanes = tl.arange(0, BLOCK_B)
     ends = tl.load(tile_ends_ptr + lanes, mask=lanes < num_seqs, other=2 ** 30)
     before = ends <= p
+    # Programs past the last tile leave by the single early exit below: with a second `return` here, Triton
+    # 3.6 failed to compile some configurations (LLVMDIScope pass).
     b_all = tl.sum(before.to(tl.int32))                 # p's request, or num_seqs past the last tile
     b = tl.minimum(b_all, num_seqs - 1)
     tile = p - tl.max(tl.where(before, ends, 0))
