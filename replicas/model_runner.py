@@ -7,6 +7,7 @@ and rank 0 gets the full-vocabulary logits of the sampling rows.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable
 
 import numpy as np
@@ -181,6 +182,7 @@ class ModelRunner:
             self.gemm_table = tune_linear_layers(self.model, graph_batch_sizes(self.config.max_num_seqs),
                                                  self.device) or {}
         cfg = self.config
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         self.graphs = DecodeGraphs(self.model, self.device, cfg.max_num_seqs, -(-self.max_model_len // self.block_size),
                                    self.max_model_len, min(cfg.mixed_graph_tokens, cfg.max_num_batched_tokens))
         self.graphs.capture()
@@ -188,6 +190,10 @@ class ModelRunner:
             self.graphs.capture(self.graph_aux_layers)
             if verify_shapes:
                 self.graphs.capture_verify(self.graph_aux_layers, verify_shapes)
+        log.info("CUDA graphs: %d decode/verify, %d mixed (up to %d tokens) in %.1f s, pool %.0f MiB",
+                 sum(map(len, self.graphs.graphs.values())), sum(map(len, self.graphs.mixed.values())),
+                 self.graphs.mixed_sizes[-1] if self.graphs.mixed_sizes else 0, time.perf_counter() - start,
+                 (torch.cuda.memory_reserved(self.device) - reserved) / 2 ** 20)
 
     def release_graphs(self) -> set[tuple[int, int]]:
         """Drop the graphs (before the KV tensors they read are rebuilt); returns their verify shapes."""
