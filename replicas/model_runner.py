@@ -175,7 +175,7 @@ class ModelRunner:
         when they were rebuilt, with the verify graphs the released ones had."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
             return
-        from replicas.cuda_graphs import DecodeGraphs, graph_batch_sizes
+        from replicas.cuda_graphs import StepGraphs, graph_batch_sizes
         from replicas.layers.gemm_select import tune_linear_layers
 
         if self.gemm_table is None:          # once, before the first capture: the graphs bake the choice in
@@ -183,7 +183,7 @@ class ModelRunner:
                                                  self.device) or {}
         cfg = self.config
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        self.graphs = DecodeGraphs(self.model, self.device, cfg.max_num_seqs, -(-self.max_model_len // self.block_size),
+        self.graphs = StepGraphs(self.model, self.device, cfg.max_num_seqs, -(-self.max_model_len // self.block_size),
                                    self.max_model_len, min(cfg.mixed_graph_tokens, cfg.max_num_batched_tokens))
         self.graphs.capture()
         if self.graph_aux_layers:

@@ -1,12 +1,14 @@
 """Paged extend attention for mixed batches: prefill chunks, decodes and tree verifies in one launch.
 
 Program (p, kv_head) owns BLOCK_M rows = BLOCK_M // group new tokens x the `group` query heads of one KV head,
-so every K/V tile is loaded once for the whole head group. The grid packs every request's tiles: tile_ends
-holds the running count of tiles through each request, and program p finds its request as the first whose
-count exceeds p. The grid is cdiv(T, tokens per tile) + B programs per KV head, whatever the lengths, which
-a CUDA graph of T tokens and B lanes needs: a (longest request x B) grid would be mostly empty there. It streams the paged prefix (fully visible,
-no per-key mask beyond the sliding window), then the new tokens under the causal or tree mask, with an online
+so every K/V tile is loaded once for the whole head group. It streams the paged prefix (fully visible, no
+per-key mask beyond the sliding window), then the new tokens under the causal or tree mask, with an online
 softmax in float32 (exp2 domain).
+
+The grid packs every request's tiles: tile_ends holds the running count of tiles through each request, and
+program p works for the first request whose count exceeds p. That is cdiv(T, tokens per tile) + B programs
+per KV head whatever the lengths, as a CUDA graph of T tokens and B lanes needs: a (longest request x B) grid
+would be mostly empty there.
 """
 from __future__ import annotations
 

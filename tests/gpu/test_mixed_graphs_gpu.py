@@ -41,7 +41,8 @@ def test_graphed_mixed_steps_equal_eager_on_cuda(folder):
 
 def test_engine_with_graphed_prefills_matches_torch_backend(folder):
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 400, (int(k),), generator=g).tolist() for k in torch.randint(2, 300, (40,), generator=g)]
+    lengths = torch.randint(2, 300, (40,), generator=g)
+    prompts = [torch.randint(3, 400, (int(k),), generator=g).tolist() for k in lengths]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ref = LLM(model=folder, attention_backend="torch", enforce_eager=True, **KW)
     try:

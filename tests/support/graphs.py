@@ -1,10 +1,10 @@
-"""A CPU stand-in for the runner's CUDA graphs: the real buffer logic of `DecodeGraphs` (static inputs, padded
+"""A CPU stand-in for the runner's CUDA graphs: the real buffer logic of `StepGraphs` (static inputs, padded
 buckets and lanes, aux-layer variants, tree masks, mixed steps' empty lanes) with a replay that reruns the model
 eagerly on the static buffers, as a CUDA graph would."""
-from replicas.cuda_graphs import DecodeGraphs, GraphEntry
+from replicas.cuda_graphs import StepGraphs, GraphEntry
 
 
-class EagerReplayGraphs(DecodeGraphs):
+class EagerReplayGraphs(StepGraphs):
     """A 'graph' that reruns the model on the static buffers and writes the static outputs (the torch backend
     plans from host copies of the buffers; a CUDA graph needs none). Counts replays per query length (decode,
     verify) or ("mixed", tokens)."""
