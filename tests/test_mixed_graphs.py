@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from checkpoints import make_tiny_llama
-from replicas import LLM, SamplingParams
+from replicas import LLM
 from replicas.cuda_graphs import mixed_token_sizes
 from support.graphs import install_graphs
-from support.greedy import compare_greedy
+from support.greedy import compare_greedy, plain_greedy_case
 from support.steps import mixed_step, random_verify_step
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 ENGINE = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
 
 
@@ -68,20 +68,7 @@ def test_no_mixed_graphs_when_turned_off(folder):
 
 
 def test_engine_with_graphed_prefills_matches_eager(folder):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, hf.config.vocab_size, (k,), generator=g).tolist() for k in (5, 90, 14, 3, 41, 7, 70)]
-    params = [SamplingParams(temperature=0.0, max_tokens=5 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
-    eager = LLM(model=folder, **ENGINE)
-    try:
-        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
-    finally:
-        eager.shutdown()
-
-    @torch.no_grad()
-    def last(ids):
-        return hf(torch.tensor([ids])).logits[0, -1]
-
+    prompts, params, want, last = plain_greedy_case(folder, (5, 90, 14, 3, 41, 7, 70), 1, 5, 3, **ENGINE)
     llm = LLM(model=folder, **ENGINE)
     try:
         graphs = install_graphs(llm)

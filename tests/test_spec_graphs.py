@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from checkpoints import make_tiny_llama
-from replicas import LLM, SamplingParams
+from replicas import LLM
 from speculative.cost_model import FixedBudgetPolicy, KneeBudgetPolicy
 from support.graphs import install_graphs
-from support.greedy import compare_greedy
+from support.greedy import compare_greedy, plain_greedy_case
 from support.steps import decode_step, random_verify_step
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 ENGINE = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
 
 
@@ -83,20 +83,7 @@ def test_graphed_verify_step_equals_eager(folder):
 
 
 def test_speculative_engine_with_graphed_steps_matches_plain(folder):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, hf.config.vocab_size, (k,), generator=g).tolist() for k in (5, 9, 14, 3, 21, 7, 11)]
-    params = [SamplingParams(temperature=0.0, max_tokens=6 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
-    plain = LLM(model=folder, **ENGINE)
-    try:
-        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    finally:
-        plain.shutdown()
-
-    @torch.no_grad()
-    def last(ids):
-        return hf(torch.tensor([ids])).logits[0, -1]
-
+    prompts, params, want, last = plain_greedy_case(folder, (5, 9, 14, 3, 21, 7, 11), 0, 6, 4, **ENGINE)
     llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **ENGINE)
     try:
         graphs, spec = install_graphs(llm), llm.engine.speculator

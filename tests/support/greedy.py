@@ -34,3 +34,30 @@ def compare_greedy(prompts: Sequence[list[int]], got: Sequence[list[int]], want:
                            f"{gap:.2e}, not a near-tie")
         flips.append(Flip(i, k, gap))
     return flips
+
+
+def plain_greedy_case(folder: str, lengths: Sequence[int], seed: int, first_tokens: int, more_tokens: int,
+                      **engine_kw):
+    """Random prompts of `lengths` tokens (request i asks for first_tokens + i x more_tokens), the plain
+    engine's greedy outputs for them, and HF transformers' last-position logits for `compare_greedy`:
+    (prompts, params, want, last_logits)."""
+    import transformers
+
+    from replicas import LLM, SamplingParams
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, hf.config.vocab_size, (k,), generator=g).tolist() for k in lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=first_tokens + more_tokens * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = LLM(model=folder, **engine_kw)
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    finally:
+        plain.shutdown()
+
+    @torch.no_grad()
+    def last(ids):
+        return hf(torch.tensor([ids])).logits[0, -1]
+
+    return prompts, params, want, last
