@@ -75,6 +75,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    p.add_argument("--mixed-graph-tokens", type=int, default=None,
+                   help="steps with prefill chunks of up to this many tokens replay CUDA graphs (default 1024; 0: "
+                        "they run eagerly)")
     p.add_argument("--max-ongoing-requests", type=int, default=None,
                    help="requests one replica holds at once (default: the engine's max_num_seqs)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting for a replica; beyond -> 503")
@@ -101,9 +105,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {"elastic": args.elastic, "load_format": args.load_format}
     if args.allow_random_drafter:
         kw["allow_random_drafter"] = True
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
     optional = {"reserve_blocks": args.reserve_blocks, "speculative": args.speculative, "drafter": args.drafter,
                 "spec_budget": args.spec_budget, "gpu_memory_utilization": args.gpu_memory_utilization,
-                "dtype": args.dtype}
+                "dtype": args.dtype, "mixed_graph_tokens": args.mixed_graph_tokens}
     kw.update({k: v for k, v in optional.items() if v is not None})
     return kw
 
