@@ -19,26 +19,24 @@ import time
 
 import torch
 
-from bench.engine import make_llm
-from replicas import SamplingParams
+from bench.engine import fake_batch, make_llm, release
 from replicas.scheduler import ScheduledBatch
 from replicas.sequence import Sequence
 from replicas.step_input import StepInput
 
-SCENARIOS = {"prefill_32": [(32, 32)], "prefill_128": [(128, 128)], "prefill_512": [(512, 512)],
-             "prefill_1024": [(1024, 1024)], "decode_63_plus_chunk_128": [(256, 1)] * 63 + [(128, 128)],
-             "decode_64": [(256, 1)] * 64}
+# scenario -> groups of (sequences, context, new tokens each)
+SCENARIOS = {"prefill_32": [(1, 32, 32)], "prefill_128": [(1, 128, 128)], "prefill_512": [(1, 512, 512)],
+             "prefill_1024": [(1, 1024, 1024)], "decode_63_plus_chunk_128": [(63, 256, 1), (1, 128, 128)],
+             "decode_64": [(64, 256, 1)]}
 
 
-def build_step(engine, rows: list[tuple[int, int]]) -> tuple[StepInput, list[Sequence]]:
-    """rows: (context, new tokens) per sequence."""
-    seqs = []
-    for i, (ctx, new) in enumerate(rows):
-        s = Sequence(f"mg{i}", 0, [7 + i % 50] * ctx, SamplingParams(max_tokens=1), 0, 0.0)
-        s.num_computed_tokens = ctx - new
-        engine.block_manager.allocate(s, new)
-        seqs.append(s)
-    return StepInput.from_batch(ScheduledBatch(seqs, [n for _, n in rows]), engine.config.block_size), seqs
+def build_step(engine, groups: list[tuple[int, int, int]]) -> tuple[StepInput, list[Sequence]]:
+    seqs, new_tokens = [], []
+    for count, ctx, new in groups:
+        batch, group = fake_batch(engine, count, ctx, new)
+        seqs += group
+        new_tokens += batch.num_new_tokens
+    return StepInput.from_batch(ScheduledBatch(seqs, new_tokens), engine.config.block_size), seqs
 
 
 def wall_ms(runner, step) -> float:
@@ -54,8 +52,8 @@ def measure(llm, iters: int) -> dict:
     graphs = runner.graphs
     mixed = graphs.mixed[()]
     out = {}
-    for name, rows in SCENARIOS.items():
-        step, seqs = build_step(engine, rows)
+    for name, groups in SCENARIOS.items():
+        step, seqs = build_step(engine, groups)
         times = {"graph": [], "eager": []}
         for i in range(iters + 3):
             for mode in ("graph", "eager"):
@@ -65,10 +63,9 @@ def measure(llm, iters: int) -> dict:
                     times[mode].append(t)
         graphs.mixed[()] = mixed
         graphed = graphs.can_run(step)
-        for s in seqs:
-            engine.block_manager.free(s)
+        release(engine, seqs)
         g, e = statistics.median(times["graph"]), statistics.median(times["eager"])
-        out[name] = {"tokens": step.num_tokens, "sequences": len(rows), "graph_ms": g, "eager_ms": e,
+        out[name] = {"tokens": step.num_tokens, "sequences": len(seqs), "graph_ms": g, "eager_ms": e,
                      "speedup": e / g, "graph_replayed": graphed}
     return out
 

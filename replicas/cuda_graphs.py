@@ -185,27 +185,21 @@ class StepGraphs:
             return None
         return self.bucket(b), q
 
-    def _entry(self, step: StepInput) -> GraphEntry | None:
-        shape = self._shape(step)
+    def _entry(self, shape: tuple[int, int] | None, aux_layers: tuple[int, ...]) -> GraphEntry | None:
         if shape is None:
             return None
         if shape[0] == 0:
-            return self.mixed.get(tuple(step.aux_layers), {}).get(shape[1])
-        return self.graphs.get(tuple(step.aux_layers), {}).get(shape)
+            return self.mixed.get(tuple(aux_layers), {}).get(shape[1])
+        return self.graphs.get(tuple(aux_layers), {}).get(shape)
 
     def can_run(self, step: StepInput) -> bool:
-        return self._entry(step) is not None
-
-    def _copy_tables(self, step: StepInput) -> None:
-        b, width = len(step.seq_lens), step.block_tables.shape[1]
-        self.seq_lens[:b].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)
-        self.block_tables[:b, :width].copy_(torch.from_numpy(np.ascontiguousarray(step.block_tables)),
-                                            non_blocking=True)
+        return self._entry(self._shape(step), step.aux_layers) is not None
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Replays the step's graph; returns views of the step's rows: final hidden states, aux layers."""
-        size, q = self._shape(step)
+        size, q = shape = self._shape(step)
+        entry = self._entry(shape, step.aux_layers)
         b, t = len(step.seq_lens), step.num_tokens
         buf = self.tokens[0 if size == 0 else q]
         if size == 0:
@@ -223,7 +217,8 @@ class StepGraphs:
         buf.positions[:t].copy_(torch.from_numpy(step.positions), non_blocking=True)
         buf.slot_mapping[:t].copy_(torch.from_numpy(step.slot_mapping), non_blocking=True)
         buf.slot_mapping[t:pad_to].fill_(-1)
-        self._copy_tables(step)
-        entry = self._entry(step)
+        self.seq_lens[:b].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)
+        self.block_tables[:b, :step.block_tables.shape[1]].copy_(
+            torch.from_numpy(np.ascontiguousarray(step.block_tables)), non_blocking=True)
         entry.replay()
         return entry.hidden[:t], [a[:t] for a in entry.aux]
