@@ -28,8 +28,8 @@ from triton.testing import do_bench  # noqa: E402
 
 from replicas.attention.reference import attention_reference  # noqa: E402
 from replicas.attention.spec import AttentionBatch, AttentionSpec  # noqa: E402
-from replicas.attention.triton_decode import DecodeTuning, decode_num_splits, num_sms_of, paged_decode_attention  # noqa: E402
-from replicas.attention.triton_extend import ExtendTuning, paged_extend_attention  # noqa: E402
+from replicas.kernels.decode_attention import DecodeTuning, decode_num_splits, num_sms_of, paged_decode_attention  # noqa: E402
+from replicas.kernels.extend_attention import ExtendTuning, paged_extend_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -30,10 +30,10 @@ import torch
 
 from bench.attention_kernels import HEAD_DIM, KV_HEADS, paged_batch
 from bench.roofline import Ceilings
-from replicas.attention.triton_decode import DecodeTuning, decode_num_splits, num_sms_of, paged_decode_attention
+from replicas.kernels.decode_attention import DecodeTuning, decode_num_splits, num_sms_of, paged_decode_attention
 from replicas.layers import gemm_select
 from replicas.layers.gemm_select import GraphTimer, candidate_configs, time_in_graph
-from replicas.layers.skinny_gemm import SkinnyConfig
+from replicas.kernels.skinny_gemm import SkinnyConfig
 
 GEMM_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                "lm_head": (128256, 4096)}

@@ -1,5 +1,5 @@
 """Where a speculative round's draft side spends its time: the context update, the drafter pass, the tree build
-and the tree's host copy (the `draft:*` labels in replicas/speculation.py `Speculator.propose`), per mode.
+and the tree's host copy (the `draft:*` labels in speculative/speculator.py `Speculator.propose`), per mode.
 
     python -m bench.draft_round [--model PATH] [--modes dominotree,chain,ddtree] [--batch 1] [--nodes 16]
         [--context 256] [--rounds 30] [--device cuda|cpu] [--allow-random-drafter] [--out FILE]
@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from replicas import LLM
-from replicas.spec_profile import draft_round, median_seconds
+from speculative.profile import draft_round, median_seconds
 
 LABELS = ("draft:context", "draft:drafter", "draft:tree", "draft:host_copy")
 

@@ -254,7 +254,7 @@ class BenchResult:
 
 def drafter_in_use(cfg: BenchConfig, model_config) -> str:
     """What the speculative engines load: --drafter, else the engine's default (a drafter bundled for this target
-    shape, replicas/speculation.py), else a random one if allowed."""
+    shape, speculative/speculator.py), else a random one if allowed."""
     if cfg.drafter:
         return cfg.drafter
     try:

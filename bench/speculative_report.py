@@ -133,7 +133,7 @@ def tree_sections(cfg: BenchConfig, builds: dict[str, Optional[dict]], cuda: boo
         out["tree_build"] = dict(
             mode=mode, budget=cfg.spec_budget, batch=1, rounds=cfg.tree_rounds,
             timer="CUDA events over back-to-back rounds after 20 warm-up rounds",
-            builder="prepare_round + build_frontier, eager: the engine's path (replicas/speculation.py); "
+            builder="prepare_round + build_frontier, eager: the engine's path (speculative/speculator.py); "
                     "graph_ms: GraphTreeBuilder replaying the same (the engine does not use it yet)",
             by_mode=builds)
     if cuda and cfg.builder_cases > 0:

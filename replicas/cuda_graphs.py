@@ -3,7 +3,7 @@
 Decode and verify graphs are keyed by their aux layers (the drafter's target layers whose residual stream they
 also output; () for plain decoding), their batch-size bucket and their query length q: q = 1 is a decode step
 (one graph per bucket), q = 1 + n a speculative verify step where every request checks a draft tree of n nodes
-under a tree mask (only the (bucket, n) pairs a budget policy picks are captured: replicas/spec_profile.py).
+under a tree mask (only the (bucket, n) pairs a budget policy picks are captured: speculative/profile.py).
 Each reads static input buffers; a step copies its inputs into the first `b` lanes and pads the rest with slot
 -1 (their K/V is written nowhere) and a context of exactly their q new tokens read from block 0 (their output
 is ignored).

@@ -20,7 +20,7 @@ from replicas.sampler import Sampler, SamplingBatch
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler
 from replicas.sequence import Sequence
-from replicas.spec_verify import verify_round
+from speculative.verifier import verify_round
 from replicas.stats import EngineStats, RequestTimings
 from replicas.step_input import StepInput
 from replicas.stream_coalescer import StreamCoalescer
@@ -74,7 +74,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.speculator = None
         if config.speculative is not None:
-            from replicas.speculation import Speculator
+            from speculative.speculator import Speculator
             self.speculator = Speculator.create(config, self.model_config, self.runner)
         self.speculation = self.speculator is not None
 

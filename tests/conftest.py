@@ -21,15 +21,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from cluster.local_server import LocalServer  # noqa: E402
+from tests.support.serve import start_tidal_serve  # noqa: E402
 
-START_TIMEOUT_S = 600.0
-
-
-def start_tidal_serve(log_path: Path, *flags: str) -> LocalServer:
-    """`tidal serve --device cpu *flags` (a later `--device` wins), once it serves."""
-    server = LocalServer(["--device", "cpu", *flags], log_path)
-    server.wait_ready(START_TIMEOUT_S)
-    return server
 
 
 @pytest.fixture(scope="session")

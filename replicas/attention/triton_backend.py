@@ -10,9 +10,9 @@ import numpy as np
 
 from replicas.attention.context import ForwardContext
 from replicas.attention.spec import AttentionSpec
-from replicas.attention.triton_decode import paged_decode_attention
-from replicas.attention.triton_extend import paged_extend_attention
-from replicas.attention.triton_kv_store import store_kv
+from replicas.kernels.decode_attention import paged_decode_attention
+from replicas.kernels.extend_attention import paged_extend_attention
+from replicas.kernels.kv_store import store_kv
 
 
 class TritonAttentionBackend:

@@ -8,7 +8,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from replicas.attention.triton_fused import silu_and_mul
+            from replicas.kernels.elementwise import silu_and_mul
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.layers.skinny_gemm import SkinnyConfig, skinny_gemm
+from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
 log = logging.getLogger(__name__)
 

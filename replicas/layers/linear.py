@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.distributed.parallel_state import get_tp_group, tp_size
-from replicas.layers.skinny_gemm import SkinnyConfig, skinny_gemm
+from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
 
 def _divide(a: int, b: int) -> int:

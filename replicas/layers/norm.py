@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda:                       # one fused Triton kernel (add + norm) on the GPU
-            from replicas.attention.triton_fused import rms_norm
+            from replicas.kernels.elementwise import rms_norm
             out, new_residual = rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, new_residual)
         if residual is None:

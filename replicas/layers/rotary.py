@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, H, D], k [T, Hkv, D]; returns them rotated (in place on the GPU, copies on the CPU)."""
         if q.is_cuda:
-            from replicas.attention.triton_fused import apply_rotary
+            from replicas.kernels.elementwise import apply_rotary
             apply_rotary(q, k, positions, self.cos_sin)
             return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)

@@ -11,10 +11,10 @@ import torch
 
 from replicas.attention import reference as ref
 from replicas.attention.spec import AttentionBatch, AttentionSpec
-from replicas.attention.triton_decode import paged_decode_attention
-from replicas.attention.triton_extend import paged_extend_attention
-from replicas.attention.triton_fused import apply_rotary, rms_norm, silu_and_mul
-from replicas.attention.triton_kv_store import store_kv
+from replicas.kernels.decode_attention import paged_decode_attention
+from replicas.kernels.extend_attention import paged_extend_attention
+from replicas.kernels.elementwise import apply_rotary, rms_norm, silu_and_mul
+from replicas.kernels.kv_store import store_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

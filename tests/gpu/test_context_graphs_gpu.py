@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.speculation import Speculator
+from speculative.speculator import Speculator
 from speculative.context_cache import PagedDraftContext
 from speculative.context_graphs import FlushGraphs
 from speculative.drafter import DominoDrafter, DrafterConfig

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replicas.speculation import Speculator
+from speculative.speculator import Speculator
 from speculative.context_cache import PagedDraftContext
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.drafter_graphs import DrafterGraphs, draft_padded

@@ -2,7 +2,7 @@
 caching) with greedy outputs equal to the non-elastic engine; a burst of maximum-size prompts while the
 reserve is lent and in use completes, while the static-commit baseline runs out of memory on that burst.
 
-The burst runs in subprocesses (`python tests/gpu/test_elastic_gpu.py burst MODE`), each with the GPU to
+The burst runs in subprocesses (`python -m tests.gpu.test_elastic_gpu burst MODE`), each with the GPU to
 itself less a ballast tensor (8 GiB left to the engine, 128 MiB of slack beyond the activation headroom),
 so that the KV pool really fills the memory it is given."""
 import json
@@ -14,13 +14,12 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
-from memory.elastic import ElasticPolicy, attach_elastic          # noqa: E402
-from replicas import SamplingParams                                # noqa: E402
-from replicas.config import EngineConfig                           # noqa: E402
-from replicas.engine import LLMEngine                              # noqa: E402
+from memory.elastic import ElasticPolicy, attach_elastic
+from replicas import SamplingParams
+from replicas.config import EngineConfig
+from replicas.engine import LLMEngine
+from tests.support import REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -39,7 +38,7 @@ def collect(engine, done: dict) -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from checkpoints import make_tiny_llama
+    from tests.support.checkpoints import make_tiny_llama
 
     folder = make_tiny_llama(str(tmp_path_factory.mktemp("elastic-gpu")), hidden_size=128, num_attention_heads=4,
                              num_key_value_heads=4)
@@ -50,7 +49,7 @@ def test_ten_thousand_cycles_under_live_load(tiny):
     """Base 256 blocks + one 2 MiB reserve handle per layer (128 blocks of 16 KiB): the running set spills
     into the reserve, so reclaims migrate and preempt; every step with a prompt reclaims first."""
     transformers = pytest.importorskip("transformers")
-    from support.greedy import compare_greedy
+    from tests.support.greedy import compare_greedy
 
     cfg = EngineConfig(model=tiny, dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=32,
                        max_model_len=512, max_num_batched_tokens=1024, enable_prefix_caching=True)
@@ -96,7 +95,7 @@ def test_ten_thousand_cycles_under_live_load(tiny):
 
 def run_burst(mode: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, os.path.abspath(__file__), "burst", mode], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "tests.gpu.test_elastic_gpu", "burst", mode], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -176,4 +175,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "burst":
         burst_main(sys.argv[2])
     else:
-        sys.exit("usage: test_elastic_gpu.py burst elastic|static")
+        sys.exit("usage: python -m tests.gpu.test_elastic_gpu burst elastic|static")

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from checkpoints import make_tiny_llama, make_tiny_qwen3
+from tests.support.checkpoints import make_tiny_llama, make_tiny_qwen3
 from replicas import LLM, SamplingParams
-from support.greedy import compare_greedy
+from tests.support.greedy import compare_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

