@@ -2,7 +2,8 @@
 and the tree's host copy (the `draft:*` labels in speculative/speculator.py `Speculator.propose`), per mode.
 
     python -m bench.draft_round [--model PATH] [--modes dominotree,chain,ddtree] [--batch 1] [--nodes 16]
-        [--context 256] [--rounds 30] [--device cuda|cpu] [--allow-random-drafter] [--out FILE]
+        [--context 256] [--rounds 30] [--device cuda|cpu] [--allow-random-drafter]
+        [--out bench/results/draft_round.json]
 
 Per mode: an engine with that method (the bundled drafter for SmolLM2 unless --drafter), `--batch` stand-in
 sequences with a `--context`-token drafter context, driven by the start-up profile's own round
@@ -94,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default="bench/results/draft_round.json")
     args = ap.parse_args(argv)
     res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "CPU", "torch": torch.__version__,
            "seed": 0, "batch": args.batch, "nodes": args.nodes, "context": args.context, "rounds": args.rounds,
