@@ -1,7 +1,7 @@
 """tidal's Grafana dashboards as code (grafana-foundation-sdk).
 
 `python -m grafana.dashboards` writes `grafana/<name>.json`; a test checks the committed JSON equals
-what this file generates. Every query reads `tidal:` metrics (see cluster/metrics.py) filtered by the
+what this file generates. Every query reads `tidal:` metrics (see replicas/metrics.py) filtered by the
 `model_name` and `replica` variables and aggregated `by` the labels a panel shows, so the extra
 labels Ray adds to its series (WorkerId, SessionName, ...) never split a line.
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Optional
 
-from replicas.sequence import Sequence
+from memory.kv_host import BlockOwner
 
 
 class Block:
@@ -70,11 +70,11 @@ class BlockManager:
     def reserve_blocks_in_use(self) -> list[int]:
         return [b.block_id for b in self.blocks[self.num_base:] if b.ref_count > 0]
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_needed(self, seq: BlockOwner, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(0, total - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: BlockOwner, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     # ---- allocation -------------------------------------------------------------------------
@@ -104,11 +104,11 @@ class BlockManager:
     def _free_list(self, block_id: int) -> OrderedDict:
         return self.free_reserve if self.is_reserve(block_id) else self.free_base
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate(self, seq: BlockOwner, num_new_tokens: int) -> None:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free().block_id)
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
+    def cached_prefix(self, seq: BlockOwner) -> list[int]:
         """Blocks that would serve `seq`'s prompt from the cache (read-only). The last token is never
         served from cache (its logits are needed)."""
         if not self.enable_prefix_caching:
@@ -126,7 +126,7 @@ class BlockManager:
             parent = h
         return found
 
-    def match_prefix(self, seq: Sequence) -> int:
+    def match_prefix(self, seq: BlockOwner) -> int:
         """On (re)admission: take cached full blocks for the longest matching prefix. Returns the number
         of cached tokens."""
         assert not seq.block_table and seq.num_computed_tokens == 0
@@ -146,7 +146,7 @@ class BlockManager:
         self.hits += cached
         return cached
 
-    def unmatch_prefix(self, seq: Sequence) -> None:
+    def unmatch_prefix(self, seq: BlockOwner) -> None:
         """Undo `match_prefix` for an admission that did not fit: the blocks go back and the lookup is not
         counted (the head of the queue is looked up again at every step until it fits)."""
         if self.enable_prefix_caching:
@@ -154,7 +154,7 @@ class BlockManager:
             self.hits -= seq.num_computed_tokens
         self.free(seq)
 
-    def commit_full_blocks(self, seq: Sequence, num_committed_before: int) -> None:
+    def commit_full_blocks(self, seq: BlockOwner, num_committed_before: int) -> None:
         """Register the hashes of blocks that became full (their tokens' KV is now written)."""
         if not self.enable_prefix_caching:
             return
@@ -169,11 +169,11 @@ class BlockManager:
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             parent = block.hash
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: BlockOwner) -> None:
         self.truncate(seq, 0)
         seq.num_computed_tokens = 0
 
-    def truncate(self, seq: Sequence, keep: int) -> None:
+    def truncate(self, seq: BlockOwner, keep: int) -> None:
         """Give back the sequence's blocks past its first `keep` (all of them for `free`; the tree scratch
         a speculative round did not accept). Tail first, so that under LRU the shared prefix outlives the
         sequence's own suffix."""
@@ -211,7 +211,7 @@ class BlockManager:
             plan[src] = dst.block_id
         return plan
 
-    def apply_migration(self, plan: dict[int, int], seqs: Iterable[Sequence]) -> None:
+    def apply_migration(self, plan: dict[int, int], seqs: Iterable[BlockOwner]) -> None:
         for seq in seqs:
             seq.block_table = [plan.get(b, b) for b in seq.block_table]
         for src, dst in plan.items():

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from replicas.step_input import StepInput
+from memory.kv_host import KVHost
 
 
 @dataclass(frozen=True)
@@ -63,23 +62,8 @@ def default_lend_step_tokens(max_num_batched_tokens: int, max_num_seqs: int) -> 
     return max(1, min(max(max_num_seqs, 256), max_num_batched_tokens // 2))
 
 
-def profile_step(num_tokens: int, num_rows: int, block_size: int) -> StepInput:
-    """A prefill-shaped step of `num_tokens` over `num_rows` sequences that writes no KV (slot -1) and
-    reads only block 0 (always in the base region)."""
-    rows = max(1, min(num_rows, num_tokens))
-    lens = [num_tokens // rows + (1 if i < num_tokens % rows else 0) for i in range(rows)]
-    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    width = -(-max(lens) // block_size)
-    return StepInput(
-        input_ids=np.zeros(num_tokens, np.int64),
-        positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
-        slot_mapping=np.full(num_tokens, -1, np.int64), query_start_loc=qsl,
-        seq_lens=np.asarray(lens, np.int32), block_tables=np.zeros((rows, width), np.int32),
-        sample_indices=qsl[1:].astype(np.int64) - 1)
-
-
 @torch.inference_mode()
-def measure_step_memory(runner, num_tokens: int, num_rows: int) -> StepMemory:
+def measure_step_memory(runner: KVHost, num_tokens: int, num_rows: int) -> StepMemory:
     """Run one real step (forward, logits, the sampler's sort) from an emptied allocator cache and record
     its allocated and reserved peaks. The runner must have KV caches bound (block 0 is read)."""
     dev = runner.device
@@ -87,19 +71,15 @@ def measure_step_memory(runner, num_tokens: int, num_rows: int) -> StepMemory:
     torch.cuda.empty_cache()
     alloc0, res0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    step = profile_step(num_tokens, num_rows, runner.block_size)
-    logits = runner.forward(step)
-    if logits is not None:
-        torch.softmax(logits.float(), -1).sort(-1)
+    runner.run_probe_step(num_tokens, num_rows)
     torch.cuda.synchronize(dev)
-    got = StepMemory(num_tokens, len(step.seq_lens), torch.cuda.max_memory_allocated(dev) - alloc0,
+    got = StepMemory(num_tokens, max(1, min(num_rows, num_tokens)), torch.cuda.max_memory_allocated(dev) - alloc0,
                      torch.cuda.max_memory_reserved(dev) - res0)
-    del logits
     torch.cuda.empty_cache()
     return got
 
 
-def profile_reserve(runner, lend_step_tokens: int | None = None) -> ReserveSizing:
+def profile_reserve(runner: KVHost, lend_step_tokens: int | None = None) -> ReserveSizing:
     """Measure the full step and the largest lent step on this rank (before its KV pool exists)."""
     cfg = runner.config
     n = cfg.max_num_batched_tokens
@@ -117,7 +97,7 @@ def profile_reserve(runner, lend_step_tokens: int | None = None) -> ReserveSizin
                          runner.kv_block_bytes())
 
 
-def plan_kv_blocks(runner, sizing: ReserveSizing, slack_bytes: int | None = None) -> tuple[int, int]:
+def plan_kv_blocks(runner: KVHost, sizing: ReserveSizing, slack_bytes: int | None = None) -> tuple[int, int]:
     """(base blocks, reserve blocks) for this rank: the base fills the memory left after the full step's
     headroom and `slack_bytes` (default: what gpu_memory_utilization leaves free)."""
     free, total = torch.cuda.mem_get_info(runner.device)

@@ -10,6 +10,8 @@ from functools import partial
 import time
 from typing import Optional, Union
 
+import numpy as np
+
 from memory.block_manager import BlockManager
 from replicas.config import EngineConfig
 from replicas.distributed.launch import LaunchedRanks, ProcessLauncher, WorkerLauncher, free_port
@@ -20,7 +22,7 @@ from replicas.sampler import Sampler, SamplingBatch
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler
 from replicas.sequence import Sequence
-from speculative.verifier import verify_round
+from replicas.speculation_api import Proposer, VerifiedRound, Verifier, load_speculation
 from replicas.stats import EngineStats, RequestTimings
 from replicas.step_input import StepInput
 from replicas.stream_coalescer import StreamCoalescer
@@ -72,10 +74,11 @@ class LLMEngine:
         self.stats = EngineStats(kv_blocks_total=num_blocks - reserve)
         self.finished_timings: list[RequestTimings] = []
         self._rng = random.Random(config.seed)
-        self.speculator = None
+        self.speculator: Optional[Proposer] = None
+        self.verifier: Optional[Verifier] = None
         if config.speculative is not None:
-            from speculative.speculator import Speculator
-            self.speculator = Speculator.create(config, self.model_config, self.runner)
+            self.speculator, self.verifier = load_speculation(config, self.model_config, self.runner, self.sampler,
+                                                              self.eos_token_ids)
         self.speculation = self.speculator is not None
 
     # ---- requests ---------------------------------------------------------------------------
@@ -136,10 +139,9 @@ class LLMEngine:
         if batch.is_empty:
             return []
         drafted = [i for i in range(len(batch.seqs)) if batch.num_drafts(i)]
-        tree, rows = spec.propose([batch.seqs[i] for i in drafted], batch.num_drafts(drafted[0])) \
-            if drafted else (None, [])
-        step = StepInput.from_batch(batch, self.config.block_size, dict(zip(drafted, rows)),
-                                    spec.aux_layers if spec is not None else ())
+        proposal = spec.propose([batch.seqs[i] for i in drafted], batch.num_drafts(drafted[0])) if drafted else None
+        trees = dict(zip(drafted, proposal.rows)) if drafted else None
+        step = StepInput.from_batch(batch, self.config.block_size, trees, spec.aux_layers if spec is not None else ())
         logits = self.runner.execute(step)
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted) if drafted else ([], [])
@@ -166,7 +168,8 @@ class LLMEngine:
         if drafted:
             seqs = [batch.seqs[i] for i in drafted]
             first_rows = [int(step.query_start_loc[i]) for i in drafted]
-            verify_round(self, seqs, tree, rows, logits[spec_rows], aux, first_rows, now)
+            verified = self.verifier.verify(seqs, proposal, logits[spec_rows])
+            self._apply_verified(seqs, verified, aux, first_rows, now)
             touched.update((s.request_id, self.requests[s.request_id]) for s in seqs)
         for row, i in enumerate(sampling):
             seq = batch.seqs[i]
@@ -232,6 +235,52 @@ class LLMEngine:
             if p.detokenize and not isinstance(stop_reason, str):
                 req.text_parts[idx].append(detok.flush())
             self.scheduler.finish(seq, reason, stop_reason)
+
+    def _apply_verified(self, seqs: list[Sequence], v: VerifiedRound, aux: list, first_rows: list[int],
+                        now: float) -> None:
+        """Emit each sequence's accepted tokens and bonus token, move the accepted nodes' K/V from their scratch
+        slots (root + 1 + node index) to the contiguous slots root + 1 .. root + k, so the sequence has
+        root + 1 + k computed tokens (the bonus token is the next round's root), and hand the root's and the
+        accepted nodes' hidden states to the proposer."""
+        stats = self.stats
+        stats.spec_drafts += len(seqs)
+        stats.spec_draft_tokens += v.num_draft_tokens
+        stats.spec_accepted_tokens += int(v.num_emitted.sum()) - len(seqs)
+        per_depth = (v.path_slots[:, 1:] >= 0).sum(0).tolist()
+        by_pos = stats.spec_accepted_by_position
+        by_pos.extend([0] * (len(per_depth) - len(by_pos)))
+        for d, c in enumerate(per_depth):
+            by_pos[d] += c
+
+        bs = self.config.block_size
+        src, dst = [], []
+        kept: list[tuple[Sequence, int, int, np.ndarray]] = []
+        for b, seq in enumerate(seqs):
+            root, count, slots = seq.num_computed_tokens, int(v.num_emitted[b]), v.path_slots[b]
+            for j, token in enumerate(v.tokens[b, :count].tolist()):
+                self._append_token(seq, token, v.sampled, b * v.width + int(slots[j]), now)
+                if seq.is_finished:
+                    break
+            if seq.is_finished:
+                continue
+            k = count - 1
+            moved = np.flatnonzero(slots[1:k + 1] != np.arange(1, k + 1)) + 1     # accepted nodes off their slot
+            if len(moved):
+                table = np.asarray(seq.block_table, dtype=np.int64)
+                s, d = root + slots[moved], root + moved
+                src.append(table[s // bs] * bs + s % bs)
+                dst.append(table[d // bs] * bs + d % bs)
+            kept.append((seq, root, k, first_rows[b] + slots[:k + 1]))
+        if src:
+            self.runner.call_all("compact_kv", np.concatenate(src), np.concatenate(dst))
+        for seq, root, k, _ in kept:
+            seq.num_computed_tokens = root + 1 + k
+            self.block_manager.commit_full_blocks(seq, root)
+            self.block_manager.truncate(seq, -(-seq.num_tokens // bs))
+        if kept:
+            self.speculator.observe(aux, np.concatenate([rows for *_, rows in kept]),
+                                    np.concatenate([np.full(len(rows), seq.seq_id) for seq, _, _, rows in kept]),
+                                    np.concatenate([root + np.arange(len(rows)) for _, root, _, rows in kept]))
 
     def _logprob_entry(self, token: int, out, row: int, k: int) -> dict[int, Logprob]:
         """The sampled token's logprob and the top-k alternatives, decoded once."""

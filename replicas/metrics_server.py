@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from cluster.metrics import METRICS, Kind, MetricSpec, StatsRecorder
+from replicas.metrics import METRICS, Kind, MetricSpec, StatsRecorder
 from replicas.stats import EngineStats, RequestTimings
 
 log = logging.getLogger(__name__)

@@ -71,6 +71,21 @@ class StepInput:
             tree_mask=_tree_mask(batch, trees) if trees else None, aux_layers=tuple(aux_layers))
 
 
+def probe_step(num_tokens: int, num_rows: int, block_size: int) -> StepInput:
+    """A prefill-shaped step of `num_tokens` over `num_rows` sequences that writes no KV (slot -1) and reads only
+    block 0 (always in the base region): what memory profiling runs."""
+    rows = max(1, min(num_rows, num_tokens))
+    lens = [num_tokens // rows + (1 if i < num_tokens % rows else 0) for i in range(rows)]
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    width = -(-max(lens) // block_size)
+    return StepInput(
+        input_ids=np.zeros(num_tokens, np.int64),
+        positions=np.concatenate([np.arange(n, dtype=np.int64) for n in lens]),
+        slot_mapping=np.full(num_tokens, -1, np.int64), query_start_loc=qsl,
+        seq_lens=np.asarray(lens, np.int32), block_tables=np.zeros((rows, width), np.int32),
+        sample_indices=qsl[1:].astype(np.int64) - 1)
+
+
 @dataclass
 class TreeRow:
     tokens: list[int]          # N draft tokens (node order)

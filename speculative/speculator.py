@@ -1,5 +1,6 @@
-"""The drafting half of a speculative round: per-sequence drafter context, the batch-aware budget, and the
-draft trees a step verifies (docs/speculative.md, steps 1-5 and 8). The verifying half is speculative/verifier.py.
+"""The drafting half of a speculative round, the engine's `Proposer` (replicas.speculation_api): per-sequence
+drafter context, the batch-aware budget, and the draft trees a step verifies (docs/speculative.md, steps 1-5
+and 8). The verifying half is speculative/verifier.py.
 
 Every computed token's target hidden states (the residual stream after the drafter's target layers) enter its
 sequence's context once, in position order: a prefill chunk's rows, a plain decode's row, a verify round's
@@ -27,6 +28,7 @@ from torch.profiler import record_function
 
 from replicas.config import EngineConfig, ModelConfig
 from replicas.sequence import Sequence
+from replicas.speculation_api import DraftProposal
 from replicas.step_input import TreeRow
 from speculative.baselines import METHODS, make_builder
 from replicas.transfer import to_device
@@ -35,7 +37,8 @@ from speculative.context_graphs import FlushGraphs, flush_eager
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.drafter_graphs import DrafterGraphs, graphs_enabled, static_draft_enabled
-from speculative.tree import DraftTree, gate_table, prepare_round
+from speculative.draft_tree import DraftTree
+from speculative.tree import gate_table, prepare_round
 from speculative.tree_gpu import GraphTreeBuilder
 
 
@@ -192,7 +195,7 @@ class Speculator:
 
     # ---- drafting ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], n: int) -> tuple[DraftTree, list[TreeRow]]:
+    def propose(self, seqs: list[Sequence], n: int) -> DraftProposal:
         """One draft tree of n nodes per sequence, rooted at its last (uncomputed) token."""
         # The labels name the round's parts for torch.profiler (bench/draft_round.py); they cost ~1 us when off.
         # With static shapes, the context gather is part of the drafter pass's graph.
@@ -221,7 +224,7 @@ class Speculator:
                 tree = builder.build(rnd)
         with record_function("draft:host_copy"):
             rows = tree_rows(tree)
-        return tree, rows
+        return DraftProposal(rows, tree)
 
 
 class TreeRows(list):

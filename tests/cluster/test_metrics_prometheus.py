@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.metrics import METRICS, RAY_METRIC_RELABEL_CONFIGS, Kind, ReplicaMetrics
+from cluster.metrics import RAY_METRIC_RELABEL_CONFIGS, ReplicaMetrics
+from replicas.metrics import METRICS, Kind
 from replicas.stats import EngineStats, RequestTimings
 
 from tests.support import REPO
@@ -292,8 +293,8 @@ def events_server_flags(drafter: Path, model_config) -> list[str]:
     from replicas.config import EngineConfig
 
     cfg, mc = EngineConfig(), model_config
-    block_bytes = 2 * cfg.block_size * mc.num_key_value_heads * mc.head_dim * 4 * mc.num_hidden_layers
-    reserve = cfg.kv_cache_bytes // block_bytes - EVENTS_BASE_BLOCKS
+    block_bytes = 2 * cfg.cache.block_size * mc.num_key_value_heads * mc.head_dim * 4 * mc.num_hidden_layers
+    reserve = cfg.cache.kv_cache_bytes // block_bytes - EVENTS_BASE_BLOCKS
     return ["--replicas", "1", "--max-model-len", str(EVENTS_MAX_MODEL_LEN), "--max-num-seqs", str(EVENTS_MAX_SEQS),
             "--max-num-batched-tokens", str(EVENTS_BUDGET), "--knob", f"max_num_batched_tokens={EVENTS_START_BUDGET}",
             "--elastic", "elastic", "--reserve-blocks", str(reserve),

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import (BASE_LABELS, METRICS, RAY_METRIC_RELABEL_CONFIGS, Kind, RayMetricSink, ReplicaMetrics,
-                             StatsRecorder)
+from cluster.metrics import RAY_METRIC_RELABEL_CONFIGS, RayMetricSink, ReplicaMetrics
+from replicas.metrics import BASE_LABELS, METRICS, Kind, StatsRecorder
 from replicas.metrics_server import PrometheusClientSink, start_metrics_server
 from replicas.stats import EngineStats, RequestTimings
 from tests.support import REPO

@@ -87,7 +87,7 @@ class Traffic:
             row += 9
         for s in batch:
             s.last_token_id = rng.randrange(CFG.vocab_size)
-        return batch, [spec.propose(batch, 8)[0] for spec in self.specs]
+        return batch, [spec.propose(batch, 8).trees for spec in self.specs]
 
 
 def same_tree(a, b) -> bool:

@@ -136,6 +136,6 @@ def test_the_speculator_drafts_from_the_graphs_unless_switched_off(monkeypatch):
         for s in seqs:
             spec.observe_rows(s, aux, 0, 0, s.num_tokens - 1)
     for batch in (seqs[:1], seqs):
-        trees = [spec.propose(batch, 8)[0] for spec in (graphed, eager)]
+        trees = [spec.propose(batch, 8).trees for spec in (graphed, eager)]
         assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
     assert len(graphed.drafter_graphs.graphs) == 2 and graphed.drafter_graphs.eager_runs == 0

@@ -12,7 +12,7 @@ from tests.support.checkpoints import make_tiny_llama
 from memory.block_manager import BlockManager
 from memory.elastic import ElasticPolicy, LendGate, attach_elastic
 from memory.rank_kv import KVAction
-from memory.reserve import profile_step
+from replicas.step_input import probe_step
 from memory.vmm import VmmLayout
 from replicas import SamplingParams
 from replicas.config import EngineConfig
@@ -36,8 +36,9 @@ def tiny(tmp_path_factory):
 
 
 def elastic_engine(folder, base, reserve, lend_step_tokens, max_num_seqs=8, **policy):
-    engine = LLMEngine(EngineConfig(model=folder, num_kv_blocks=base + reserve, block_size=BS, max_model_len=base * BS,
-                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=256))
+    engine = LLMEngine(EngineConfig.from_flat(model=folder, num_kv_blocks=base + reserve, block_size=BS,
+                                              max_model_len=base * BS, max_num_seqs=max_num_seqs,
+                                              max_num_batched_tokens=256))
     policy = ElasticPolicy(lend_step_tokens, **{"lend_after_steps": 1, "min_lend_steps": 0, **policy})
     attach_elastic(engine, "elastic", policy, num_base_blocks=base, num_reserve_blocks=reserve)
     return engine
@@ -79,7 +80,7 @@ def drive(engine, arrivals: dict[int, list], elastic=True) -> dict[str, list[int
 
 
 def reference(folder, requests) -> dict[str, list[int]]:
-    engine = LLMEngine(EngineConfig(model=folder, num_kv_blocks=512, block_size=BS, max_num_seqs=64))
+    engine = LLMEngine(EngineConfig.from_flat(model=folder, num_kv_blocks=512, block_size=BS, max_num_seqs=64))
     return drive(engine, {0: requests}, elastic=False)
 
 
@@ -134,8 +135,8 @@ def test_block_manager_never_hands_out_unmapped_reserve():
     assert bm.num_free_blocks == 0 and bm.num_usable_blocks == 2
 
 
-def test_profile_step_reads_only_block_zero():
-    step = profile_step(100, 7, BS)
+def test_probe_step_reads_only_block_zero():
+    step = probe_step(100, 7, BS)
     assert step.num_tokens == 100 and len(step.seq_lens) == 7 and step.seq_lens.sum() == 100
     assert (step.slot_mapping == -1).all() and not step.block_tables.any()
     assert step.block_tables.shape[1] * BS >= step.seq_lens.max()

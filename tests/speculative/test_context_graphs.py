@@ -168,7 +168,7 @@ def test_a_speculator_on_static_shapes_drafts_the_eager_trees():
             for spec in (static, eager):
                 spec.observe_rows(s, aux, row, s.num_tokens - 1, n)
             row, s.num_tokens, s.last_token_id = row + n, s.num_tokens + n, rng.randrange(CFG.vocab_size)
-        trees = [spec.propose(batch, 8)[0] for spec in (static, eager)]
+        trees = [spec.propose(batch, 8).trees for spec in (static, eager)]
         for a, b in zip((trees[0].tokens, trees[0].parents, trees[0].valid),
                         (trees[1].tokens, trees[1].parents, trees[1].valid)):
             assert torch.equal(a, b), round_

@@ -9,7 +9,7 @@ from speculative.speculator import Speculator, tree_rows
 from speculative.context_cache import PagedDraftContext
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
-from speculative.tree import DraftTree
+from speculative.draft_tree import DraftTree
 
 CFG = DrafterConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, target_layer_ids=(1, 3), block_size=4, gru_hidden=16,
@@ -81,8 +81,8 @@ def test_forgotten_pages_are_reused_and_drafting_reads_the_cache():
     assert spec.contexts.pool.shape[2] == pages                    # a's pages served the new sequence
     assert spec.contexts.positions(8) == [0, 1] and 7 not in spec.contexts.lengths
     seq = SimpleNamespace(seq_id=8, last_token_id=5, num_tokens=3)
-    tree, rows = spec.propose([seq], 8)
-    assert tree.tokens.shape == (1, 8) and len(rows) == 1
+    proposal = spec.propose([seq], 8)
+    assert proposal.trees.tokens.shape == (1, 8) and len(proposal.rows) == 1
 
 
 def test_tree_rows_match_the_device_tree():
