@@ -25,7 +25,8 @@ import torch
 from bench.roofline import cuda_time_ms
 from speculative.baselines import METHODS, chain_config
 from speculative.drafter import DominoHead, DrafterConfig
-from speculative.tree import DraftTree, TreeConfig, gate_table, prepare_round
+from speculative.draft_tree import DraftTree, TreeConfig
+from speculative.tree import gate_table, prepare_round
 from speculative.tree_gpu import GraphTreeBuilder, build_frontier
 from speculative.tree_reference import build_reference
 
@@ -42,7 +43,10 @@ def drafted_block(spec, batch: int, context: int, seed: int):
     ctx = spec.drafter.backbone.context(target, torch.arange(context, device=dev).expand(batch, -1))
     roots = torch.randint(0, spec.vocab_size, (batch,), device=dev, generator=g)
     pos = torch.full((batch,), context, dtype=torch.long, device=dev)
-    draft = lambda: spec.drafter.draft(roots, pos, ctx, spec.embed_weight, spec.lm_head_weight)
+
+    def draft():
+        return spec.drafter.draft(roots, pos, ctx, spec.embed_weight, spec.lm_head_weight)
+
     block = draft()
     return roots, block.hidden, block.base_logits[..., :spec.vocab_size], draft
 
@@ -57,7 +61,10 @@ def time_tree_build(spec, budget: int, rounds: int, checks: int = 8) -> dict:
     roots, hidden, base, draft = drafted_block(spec, 1, 256, 0)
     graphs = GraphTreeBuilder(head, embed, builder.cfg, spec.cfg.block_size, spec.vocab_size, hidden.shape[-1],
                               hidden.dtype, batch_sizes=(1, 4))
-    eager = lambda r, h, b: builder.build(prepare_round(head, h, b, r, embed, builder.cfg, gates))
+
+    def eager(r, h, b):
+        return builder.build(prepare_round(head, h, b, r, embed, builder.cfg, gates))
+
     out = dict(eager_ms=cuda_time_ms(lambda: eager(roots, hidden, base), 20, rounds),
                graph_ms=cuda_time_ms(lambda: graphs.build(hidden, base, roots), 20, rounds),
                draft_ms=cuda_time_ms(draft, 20, rounds), draft_context_tokens=256, tree_config=asdict(builder.cfg))
@@ -92,7 +99,10 @@ def random_case(seed: int, device: str):
                  uncorrected_depths=rng.choice([0, 1, 2]))
     cfg = chain_config(**shape) if method == "chain" else \
         METHODS[method](budget=rng.choice([1, 6, 16, 32]), node_topk=rng.choice([1, 2, 4, 8]), **shape)
-    to = lambda t: t.to(device)
+
+    def to(t):
+        return t.to(device)
+
     return method, cfg, head.to(device), to(hidden), to(base), to(roots), to(embed)
 
 
@@ -133,7 +143,10 @@ def smollm2_inputs(batch: int, seed: int = 0, device: str = "cuda"):
     base = torch.randn(batch, s["block"], s["vocab"], generator=g) * 4
     embed = torch.randn(s["vocab"], s["hidden"], generator=g) * 0.05
     roots = torch.randint(0, s["vocab"], (batch,), generator=g)
-    bf16 = lambda t: t.to(device, torch.bfloat16)
+
+    def bf16(t):
+        return t.to(device, torch.bfloat16)
+
     return head.to(device, torch.bfloat16), bf16(hidden), bf16(base), roots.to(device), bf16(embed)
 
 
@@ -162,9 +175,15 @@ def graph_round_ms(batches=(1, 8, 32), budget: int = 16, rounds: int = 200) -> d
                                batch_sizes=tuple(sorted(set(batches))))
     for b in batches:
         _, hidden, base, roots, _ = smollm2_inputs(b, seed=b)
-        graph = lambda: builder.build(hidden, base, roots)
-        eager = lambda: build_frontier(prepare_round(head, hidden, base, roots, embed, cfg, builder.tables.gates), cfg)
-        out[f"b{b}"] = dict(graph_ms=cuda_time_ms(graph, 20, rounds), eager_ms=cuda_time_ms(eager, 20, max(10, rounds // 10)),
+
+        def graph():
+            return builder.build(hidden, base, roots)
+
+        def eager():
+            return build_frontier(prepare_round(head, hidden, base, roots, embed, cfg, builder.tables.gates), cfg)
+
+        out[f"b{b}"] = dict(graph_ms=cuda_time_ms(graph, 20, rounds),
+                            eager_ms=cuda_time_ms(eager, 20, max(10, rounds // 10)),
                             kernels_per_round=kernels_per_call(graph),
                             identical_to_reference=same_tree(
                                 build_reference(prepare_round(head, hidden, base, roots, embed, cfg), cfg), graph()))
@@ -175,44 +194,46 @@ def graph_round_ms(batches=(1, 8, 32), budget: int = 16, rounds: int = 200) -> d
 # ---- offline compile report (no GPU needed) ------------------------------------------------------------------
 
 def _kernel_specs():
-    from speculative import tree_triton as tt
-    p = lambda t: "*" + t
+    from speculative.kernels import tree_fused, tree_ops, tree_round, tree_rows
+
+    def p(t):
+        return "*" + t
+
     f32, i64, i32, bf = "fp32", "i64", "i32", "bf16"
-    dot = dict(KT=tt.DOT_SPLIT, LOG_KT=tt.DOT_SPLIT.bit_length() - 1)
+    dot = tree_ops.dot_meta()
     expand = dict(cand_ids=p(i64), base_logp=p(f32), base_cand=p(f32), zproj=p(f32), root_state=p(f32),
                   gates=p(f32), w_hh_t=p(bf), w1s_t=p(bf), w2=p(bf), kid_score=p(f32), kid_cand=p(i32),
                   lane_h=p(f32), lane_gh=p(f32), lane_score=p(f32), led_score=p(f32), led_parent=p(i32),
                   led_token=p(i64), scratch=p(f32), t=i32, D=i32, M=i32, R=i32, G=i32, L=i32, K=i32,
                   uncorrected=i32)
-    rows = dict(base=p(bf), root_ids=p(i64), part_keys=p(i64), n_lists=i32, part_max=p(f32), part_sum=p(f32),
-                cand_ids=p(i64), base_logp=p(f32), stride_b=i32, stride_s=i32, D=i32, V=i32, M=i32, NCH=i32,
-                hidden=p(bf), gates=p(f32), w1h_t=p(bf), base_cand=p(f32), zproj=p(f32), root_state=p(f32),
-                hidden_b=i32, hidden_s=i32, H=i32, G=i32, R=i32)
+    round_rows = dict(base=p(bf), root_ids=p(i64), part_keys=p(i64), n_lists=i32, part_max=p(f32), part_sum=p(f32),
+                      cand_ids=p(i64), base_logp=p(f32), stride_b=i32, stride_s=i32, D=i32, V=i32, M=i32, NCH=i32,
+                      hidden=p(bf), gates=p(f32), w1h_t=p(bf), base_cand=p(f32), zproj=p(f32), root_state=p(f32),
+                      hidden_b=i32, hidden_s=i32, H=i32, G=i32, R=i32)
+    ledger = dict(cand_ids=p(i64), kid_score=p(f32), kid_cand=p(i32), led_score=p(f32), led_parent=p(i32),
+                  led_token=p(i64), pos=p(i32), tokens=p(i64), parents=p(i64), depths=p(i64), scores=p(f32),
+                  valid=p("i1"), D=i32, M=i32, L=i32, K=i32, N_OUT=i32)
+    vocab_chunk = dict(base=p(bf), part_keys=p(i64), part_max=p(f32), part_sum=p(f32), stride_b=i32, stride_s=i32,
+                       D=i32, V=i32, NCH=i32)
+    child_logp = dict(states=p(f32), rows=p(i64), cand_ids=p(i64), base_cand=p(f32), zproj=p(f32), w1s_t=p(bf),
+                      w2=p(bf), scratch=p(f32), out=p(f32), depth=i32, D=i32, G=i32, R=i32, M=i32)
+    child_state = dict(rows=p(i64), cand=p(i64), cand_ids=p(i64), gates=p(f32), parent_states=p(f32),
+                       parent_gates=p(f32), out=p(f32), depth=i32, D=i32, G=i32, M=i32)
     return {
-        "expand": (tt._expand_kernel, expand, dict(WITH_STATES=True, MP=64, LOG_MP=6, RP=64, GP=256, NP=128,
-                                                   BI=32, **dot), 4),
-        "ledger": (tt._ledger_kernel, dict(cand_ids=p(i64), kid_score=p(f32), kid_cand=p(i32), led_score=p(f32),
-                                           led_parent=p(i32), led_token=p(i64), pos=p(i32), tokens=p(i64),
-                                           parents=p(i64), depths=p(i64), scores=p(f32), valid=p("i1"), D=i32,
-                                           M=i32, L=i32, K=i32, N_OUT=i32), dict(NP=128, EP=256, BI=32), 4),
-        "vocab_chunk": (tt._vocab_chunk_kernel, dict(base=p(bf), part_keys=p(i64), part_max=p(f32),
-                                                     part_sum=p(f32), stride_b=i32, stride_s=i32, D=i32, V=i32,
-                                                     NCH=i32), dict(KP=64, CH=tt.VOCAB_CHUNK), 1),
-        "merge_keys": (tt._merge_keys_kernel, dict(src=p(i64), dst=p(i64), n_lists=i32),
-                       dict(KP=64, GROUP=tt.MERGE_GROUP), 1),
-        "round_rows": (tt._round_rows_kernel, rows, dict(CORRECTED=True, KP=64, NKP=512, NCHP=64, RP=64, GP=256,
-                                                         **dot), 4),
-        "child_logp": (tt._child_logp_kernel, dict(states=p(f32), rows=p(i64), cand_ids=p(i64),
-                                                   base_cand=p(f32), zproj=p(f32), w1s_t=p(bf), w2=p(bf),
-                                                   scratch=p(f32), out=p(f32), depth=i32, D=i32, G=i32, R=i32,
-                                                   M=i32), dict(MP=64, LOG_MP=6, RP=64, **dot), 4),
-        "top_children": (tt._top_children_kernel, dict(logp=p(f32), out_idx=p(i64), out_val=p(f32), M=i32,
-                                                       K=i32), dict(MP=64, BI=32), 4),
-        "hidden_gates": (tt._hidden_gates_kernel, dict(states=p(f32), w_hh_t=p(bf), out=p(f32), G=i32),
+        "expand": (tree_fused.expand_kernel, expand,
+                   dict(WITH_STATES=True, MP=64, LOG_MP=6, RP=64, GP=256, NP=128, BI=32, **dot), 4),
+        "ledger": (tree_fused.ledger_kernel, ledger, dict(NP=128, EP=256, BI=32), 4),
+        "vocab_chunk": (tree_round.vocab_chunk_kernel, vocab_chunk, dict(KP=64, CH=tree_ops.VOCAB_CHUNK), 1),
+        "merge_keys": (tree_round.merge_keys_kernel, dict(src=p(i64), dst=p(i64), n_lists=i32),
+                       dict(KP=64, GROUP=tree_ops.MERGE_GROUP), 1),
+        "round_rows": (tree_round.round_rows_kernel, round_rows,
+                       dict(CORRECTED=True, KP=64, NKP=512, NCHP=64, RP=64, GP=256, **dot), 4),
+        "child_logp": (tree_rows.child_logp_kernel, child_logp, dict(MP=64, LOG_MP=6, RP=64, **dot), 4),
+        "top_children": (tree_rows.top_children_kernel,
+                         dict(logp=p(f32), out_idx=p(i64), out_val=p(f32), M=i32, K=i32), dict(MP=64, BI=32), 4),
+        "hidden_gates": (tree_rows.hidden_gates_kernel, dict(states=p(f32), w_hh_t=p(bf), out=p(f32), G=i32),
                          dict(GP=256, **dot), 4),
-        "child_state": (tt._child_state_kernel, dict(rows=p(i64), cand=p(i64), cand_ids=p(i64), gates=p(f32),
-                                                     parent_states=p(f32), parent_gates=p(f32), out=p(f32),
-                                                     depth=i32, D=i32, G=i32, M=i32), dict(GP=256), 4),
+        "child_state": (tree_rows.child_state_kernel, child_state, dict(GP=256), 4),
     }
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from speculative.tree import DraftTree
+from speculative.draft_tree import DraftTree
 
 SampleFn = Callable[[Tensor], Tensor]   # logits [rows, V] -> token ids [rows]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from speculative.tree import DraftTree, TreeConfig, TreeRound
+from speculative.draft_tree import DraftTree, TreeConfig, TreeRound
 from speculative.tree_gpu import build_frontier
 from speculative.tree_reference import build_reference
 

@@ -14,7 +14,7 @@ and fewer than L nodes of its depth beat it, so it is a kept lane too. So the le
 nodes, in the heap's order, and their scores are bit-identical (same row functions, same float32 adds).
 
 Two builds of that algorithm: `build_frontier_torch` (torch ops, ~45 small kernels per depth) and
-speculative.tree_triton.build_fused (one launch per depth plus one for the ledger), which `build_frontier`
+speculative.kernels.tree_fused.build_fused (one launch per depth plus one for the ledger), which `build_frontier`
 picks wherever the row math runs on Triton (CUDA).
 """
 from __future__ import annotations
@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speculative.tree import (DraftTree, HeadTables, TreeConfig, TreeRound, child_logprobs, child_states,
-                              hidden_gates, on_triton, prepare_round_with, top_children)
+from speculative.draft_tree import DraftTree, TreeConfig, TreeRound
+from speculative.tree import (child_logprobs, child_states, head_tables, hidden_gates, on_triton, prepare_round_with,
+                              top_children)
 
 NEG_INF = float("-inf")
 
@@ -34,7 +35,7 @@ NEG_INF = float("-inf")
 def build_frontier(rnd: TreeRound, cfg: TreeConfig) -> DraftTree:
     """The batched builder: fused Triton launches where the row math runs on Triton, torch ops elsewhere."""
     if on_triton(rnd.cand_ids):
-        from speculative.tree_triton import build_fused
+        from speculative.kernels.tree_fused import build_fused
         return build_fused(rnd, cfg)
     return build_frontier_torch(rnd, cfg)
 
@@ -135,7 +136,7 @@ class GraphTreeBuilder:
         shared with builders that never run at the same time (outputs are cloned right after each replay)."""
         self.cfg, self.pool = cfg, pool
         self.device = embed_weight.device
-        self.tables = HeadTables.of(head, embed_weight, gates) if cfg.corrected else None
+        self.tables = head_tables(head, embed_weight, gates) if cfg.corrected else None
         self.buckets = sorted(set(batch_sizes))
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         top = self.buckets[-1]
@@ -154,7 +155,7 @@ class GraphTreeBuilder:
         return self.tables.gates if self.tables is not None else None
 
     def _body(self, bs: int) -> None:
-        from speculative.tree_triton import build_fused
+        from speculative.kernels.tree_fused import build_fused
         rnd = prepare_round_with(self.tables, self.hidden[:bs], self.base_logits[:bs], self.root_ids[:bs], self.cfg)
         build_fused(rnd, self.cfg, DraftTree(*(getattr(self.out, f)[:bs] for f, _ in _FIELDS)))
 

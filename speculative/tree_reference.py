@@ -13,8 +13,8 @@ import itertools
 
 import torch
 
-from speculative.tree import (DraftTree, TreeConfig, TreeRound, child_logprobs, child_states, hidden_gates,
-                              top_children)
+from speculative.draft_tree import DraftTree, TreeConfig, TreeRound
+from speculative.tree import child_logprobs, child_states, hidden_gates, top_children
 
 
 @torch.no_grad()

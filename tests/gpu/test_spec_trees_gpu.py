@@ -11,7 +11,8 @@ import torch
 
 from speculative.acceptance import accept
 from speculative.drafter import DominoHead, DrafterConfig
-from speculative.tree import DraftTree, TreeConfig, prepare_round
+from speculative.draft_tree import DraftTree, TreeConfig
+from speculative.tree import prepare_round
 from speculative.tree_gpu import GraphTreeBuilder, build_frontier, build_frontier_torch
 from speculative.tree_reference import build_reference
 

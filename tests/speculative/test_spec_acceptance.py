@@ -9,7 +9,7 @@ import torch
 from speculative.acceptance import accept, target_choices, walk
 from speculative.cost_model import (AcceptanceProfile, BudgetPolicy, FixedBudgetPolicy, KneeBudgetPolicy,
                                     VerifyProfile, choose_budget)
-from speculative.tree import DraftTree
+from speculative.draft_tree import DraftTree
 
 
 def hand_tree() -> DraftTree:

@@ -10,7 +10,8 @@ from speculative.drafter import DominoDrafter, DraftContext, DrafterConfig, even
 from speculative.train import HFTarget, TrainConfig, Trainer, step_flops, training_mask
 from speculative.train_data import (PairBatcher, TrainBatch, in_heldout, iter_sharegpt, make_batch, read_pairs,
                                     write_pairs)
-from speculative.tree import TreeConfig, prepare_round
+from speculative.draft_tree import TreeConfig
+from speculative.tree import prepare_round
 from speculative.tree_gpu import build_frontier
 from replicas.config import ModelConfig
 

@@ -7,8 +7,9 @@ import torch
 
 from speculative.baselines import make_builder
 from speculative.drafter import DominoHead, DrafterConfig
-from speculative.tree import (DraftTree, TreeConfig, TreeRound, child_logprobs, child_states, hidden_gates,
-                              pairwise_sum, prepare_round, rowdot, top_candidates, top_children)
+from speculative.draft_tree import DraftTree, TreeConfig, TreeRound
+from speculative.tree import (child_logprobs, child_states, hidden_gates, pairwise_sum, prepare_round, rowdot,
+                              top_candidates, top_children)
 from speculative.tree_gpu import GraphTreeBuilder, build_frontier
 from speculative.tree_reference import build_reference
 

@@ -14,11 +14,11 @@ import torch
 triton = pytest.importorskip("triton")
 
 from speculative.drafter import DominoHead, DrafterConfig  # noqa: E402
-from speculative.tree import (DraftTree, TreeConfig, TreeRound, prepare_round, top_candidates,  # noqa: E402
-                              triton_on_cpu)
+from speculative.draft_tree import DraftTree, TreeConfig, TreeRound  # noqa: E402
+from speculative.tree import prepare_round, top_candidates, triton_on_cpu  # noqa: E402
 from speculative.tree_gpu import build_frontier, build_frontier_torch  # noqa: E402
 from speculative.tree_reference import build_reference  # noqa: E402
-from tests.support import REPO
+from tests.support import REPO  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                  reason="needs TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)")
@@ -43,7 +43,10 @@ def small_round(seed: int, ties: bool, corrected: bool, **overrides):
     cfg = dict(budget=rng.choice([1, 4, 7, 20]), node_topk=rng.choice([1, 2, 3]), candidates=rng.choice([4, 8, 64]),
                max_depth=rng.choice([1, 2, 3]), uncorrected_depths=rng.choice([0, 1, 2]), corrected=corrected)
     cfg.update(overrides)
-    to = lambda t: t.to(DEV)
+
+    def to(t):
+        return t.to(DEV)
+
     return (head.to(DEV), to(hidden), to(base), to(torch.randint(0, v, (b,), generator=g)),
             to(torch.randn(v, h, generator=g)), TreeConfig(**cfg))
 

@@ -1,20 +1,10 @@
-"""The tree's fused frontier build as Triton kernels (CUDA tensors; CPU tensors
-under TRITON_INTERPRET=1 when speculative.tree's `triton_on_cpu` asks for them).
+"""The fused frontier build as Triton kernels: the algorithm of speculative.tree_gpu.build_frontier_torch in
+depth_count + 1 launches, on the device math of tree_ops (whose docstring states the bit-identity rules).
 
-Bit-identity: on this path every number a builder compares comes from the @triton.jit device functions in
-speculative.tree_triton_rows (re-exported here with the row kernels and round preparation).
-The reference heap launches the row kernels once per node, the fused build runs a whole frontier per launch; both
-inline the same functions on the same inputs. A function's result never depends on the kernel it is inlined in:
-dot products and candidate sums add one term at a time in ascending index, elementwise over the outputs (no
-tl.sum, whose order follows the compiler's layout), maxima and comparisons are exact, and every launch passes
-enable_fp_fusion=False so no a*b+c becomes an FMA. exp/log are Triton's, so this path's bits differ from the
-torch path's; each path is only compared with itself. Reductions that only prepare_round computes (the vocab
-log-sum-exp) may use tl.sum: one kernel computes them for both builders, one program per row.
-
-Fused build: one `_expand_kernel` launch per depth t, program (request, lane j): pick lane j of depth t-1 (the
-child of rank j among the previous launch's children, a stable descending order), write its ledger entry, run
-its GRU step, then score its children at depth t (correction, log-softmax over the M candidates, top-k). A last
-`_ledger_kernel` launch per request places the final depth's lanes and picks the best `budget` ledger entries.
+One `expand_kernel` launch per depth t, program (request, lane j): pick lane j of depth t-1 (the child of rank j
+among the previous launch's children, a stable descending order), write its ledger entry, run its GRU step, then
+score its children at depth t (correction, log-softmax over the M candidates, top-k). A last `ledger_kernel`
+launch per request places the final depth's lanes and picks the best `budget` ledger entries.
 """
 from __future__ import annotations
 
@@ -22,27 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
-from speculative.tree import DraftTree, TreeConfig, TreeRound
-from speculative.tree_triton_rows import (DOT_SPLIT, LAUNCH, MERGE_GROUP, RANK_BLOCK, VOCAB_CHUNK, _child_logp,
-                                          _child_logp_kernel, _child_state_kernel, _dot_meta, _gru,
-                                          _hidden_gates_kernel, _log2, _matvec, _merge_keys_kernel, _p2, _ranks,
-                                          _round_rows_kernel, _top_children_kernel, _vocab_chunk_kernel,
-                                          child_logprobs, child_states, hidden_gates, prepare_round, top_children)
+from speculative.draft_tree import DraftTree, TreeConfig, TreeRound
+from speculative.kernels.tree_ops import (LAUNCH, RANK_BLOCK, child_logp, dot_meta, gru_cell, log2, matvec,
+                                          next_pow2, ranks)
 
-__all__ = ["DOT_SPLIT", "LAUNCH", "MERGE_GROUP", "RANK_BLOCK", "VOCAB_CHUNK", "_child_logp_kernel",
-           "_child_state_kernel", "_expand_kernel", "_hidden_gates_kernel", "_ledger_kernel", "_merge_keys_kernel",
-           "_round_rows_kernel", "_top_children_kernel", "_vocab_chunk_kernel", "build_fused", "child_logprobs",
-           "child_states", "empty_tree", "hidden_gates", "prepare_round", "top_children"]
-
-
-# ---- the fused frontier build -------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["t"])
-def _expand_kernel(cand_ids, base_logp, base_cand, zproj, root_state, gates, w_hh_t, w1s_t, w2,
-                   kid_score, kid_cand, lane_h, lane_gh, lane_score, led_score, led_parent, led_token, scratch,
-                   t, D, M, R, G, L, K, uncorrected,
-                   WITH_STATES: tl.constexpr, MP: tl.constexpr, LOG_MP: tl.constexpr, RP: tl.constexpr,
-                   GP: tl.constexpr, NP: tl.constexpr, BI: tl.constexpr, KT: tl.constexpr, LOG_KT: tl.constexpr):
+def expand_kernel(cand_ids, base_logp, base_cand, zproj, root_state, gates, w_hh_t, w1s_t, w2,
+                  kid_score, kid_cand, lane_h, lane_gh, lane_score, led_score, led_parent, led_token, scratch,
+                  t, D, M, R, G, L, K, uncorrected,
+                  WITH_STATES: tl.constexpr, MP: tl.constexpr, LOG_MP: tl.constexpr, RP: tl.constexpr,
+                  GP: tl.constexpr, NP: tl.constexpr, BI: tl.constexpr, KT: tl.constexpr, LOG_KT: tl.constexpr):
     """Program (request b, lane j, part) of depth t's launch. Every part picks lane j of depth t-1 and runs its
     GRU step; part 0 records the lane and scores its children at depth t, parts 1..3 compute its hidden gates
     r, z, n for the next launch. Per-lane buffers have two parity slots: this launch writes slot t % 2."""
@@ -65,7 +45,7 @@ def _expand_kernel(cand_ids, base_logp, base_cand, zproj, root_state, gates, w_h
         found = j * 0
         for i0 in range(0, n_kids, BI):
             i = i0 + tl.arange(0, BI)
-            hit = (_ranks(kid_score + lane0 * K, n_kids, i, NP) == j) & (i < n_kids)
+            hit = (ranks(kid_score + lane0 * K, n_kids, i, NP) == j) & (i < n_kids)
             sel += tl.sum(tl.where(hit, i, 0), 0)
             found += tl.sum(hit.to(tl.int32), 0)
         cand = tl.where(found > 0, tl.load(kid_cand + lane0 * K + sel), 0)
@@ -80,7 +60,7 @@ def _expand_kernel(cand_ids, base_logp, base_cand, zproj, root_state, gates, w_h
             tl.store(lane_score + here, score)
         if WITH_STATES:
             up = lane0 + parent
-            h = _gru(gates + token * 3 * G, lane_gh + up * 3 * G, lane_h + up * G, G, GP, False)
+            h = gru_cell(gates + token * 3 * G, lane_gh + up * 3 * G, lane_h + up * G, G, GP, False)
     if WITH_STATES:
         tl.store(scr + o, h, o < G)
         if part == 0:
@@ -88,12 +68,12 @@ def _expand_kernel(cand_ids, base_logp, base_cand, zproj, root_state, gates, w_h
     tl.debug_barrier()
     if part > 0:                                          # hidden gate part-1 of this lane
         c = (part - 1) * G + o
-        tl.store(lane_gh + here * 3 * G + c, _matvec(scr, w_hh_t, G, 3 * G, c, o < G, KT, LOG_KT), o < G)
+        tl.store(lane_gh + here * 3 * G + c, matvec(scr, w_hh_t, G, 3 * G, c, o < G, KT, LOG_KT), o < G)
     else:
         at = b * D + t
         m = tl.arange(0, MP)
         if t >= uncorrected:
-            logp = _child_logp(scr, zproj + at * R, base_cand + at * M, cand_ids + at * M, w1s_t, w2, scr + GP,
+            logp = child_logp(scr, zproj + at * R, base_cand + at * M, cand_ids + at * M, w1s_t, w2, scr + GP,
                                G, R, M, MP, LOG_MP, RP, KT, LOG_KT)
         else:
             logp = tl.load(base_logp + at * M + m, m < M, other=0.0)
@@ -103,7 +83,7 @@ def _expand_kernel(cand_ids, base_logp, base_cand, zproj, root_state, gates, w_h
         score = tl.load(lane_score + here)
         for i0 in range(0, M, BI):                        # top-k children, in rank order
             i = i0 + tl.arange(0, BI)
-            rank = _ranks(logp_at, M, i, MP)
+            rank = ranks(logp_at, M, i, MP)
             keep = (i < M) & (rank < K)
             kid = tl.where(score > float("-inf"), score + tl.load(logp_at + i, keep, other=0.0), float("-inf"))
             tl.store(kid_score + here * K + rank, kid, keep)
@@ -111,9 +91,9 @@ def _expand_kernel(cand_ids, base_logp, base_cand, zproj, root_state, gates, w_h
 
 
 @triton.jit
-def _ledger_kernel(cand_ids, kid_score, kid_cand, led_score, led_parent, led_token, pos,
-                   tokens, parents, depths, scores, valid, D, M, L, K, N_OUT,
-                   NP: tl.constexpr, EP: tl.constexpr, BI: tl.constexpr):
+def ledger_kernel(cand_ids, kid_score, kid_cand, led_score, led_parent, led_token, pos,
+                  tokens, parents, depths, scores, valid, D, M, L, K, N_OUT,
+                  NP: tl.constexpr, EP: tl.constexpr, BI: tl.constexpr):
     """Program per request: the last depth's lanes, then the best N_OUT ledger entries in ledger order."""
     b = tl.program_id(0)
     B = tl.num_programs(0)
@@ -123,7 +103,7 @@ def _ledger_kernel(cand_ids, kid_score, kid_cand, led_score, led_parent, led_tok
     last = (b * D + d) * L
     for i0 in range(0, n_kids, BI):
         i = i0 + tl.arange(0, BI)
-        rank = _ranks(kids, n_kids, i, NP)
+        rank = ranks(kids, n_kids, i, NP)
         keep = (i < n_kids) & (rank < L)
         cand = tl.load(kid_cand + ((d % 2) * B + b) * L * K + i, keep, other=0)
         tl.store(led_score + last + rank, tl.load(kids + i, keep), keep)
@@ -139,7 +119,7 @@ def _ledger_kernel(cand_ids, kid_score, kid_cand, led_score, led_parent, led_tok
     ledger = led_score + b * E
     for e0 in range(0, E, BI):
         e = e0 + tl.arange(0, BI)
-        tl.store(pos + b * E + e, _ranks(ledger, E, e, EP), e < E)
+        tl.store(pos + b * E + e, ranks(ledger, E, e, EP), e < E)
     tl.debug_barrier()
     for e0 in range(0, E, BI):
         e = e0 + tl.arange(0, BI)
@@ -181,7 +161,7 @@ def build_fused(rnd: TreeRound, cfg: TreeConfig, out: DraftTree | None = None) -
     with_states = cfg.corrected and rnd.corrected
     f32 = dict(dtype=torch.float32, device=dev)
     g, r = (rnd.root_state.shape[1], rnd.tables.w2.shape[1]) if with_states else (1, 1)
-    mp, rp, gp = _p2(m), _p2(r), _p2(g)
+    mp, rp, gp = next_pow2(m), next_pow2(r), next_pow2(g)
     kid_score = torch.empty(2, b, lanes, k, **f32)
     kid_cand = torch.empty(2, b, lanes, k, dtype=torch.int32, device=dev)
     lane_h, lane_gh = torch.empty(2, b, lanes, g, **f32), torch.empty(2, b, lanes, 3 * g, **f32)
@@ -198,15 +178,15 @@ def build_fused(rnd: TreeRound, cfg: TreeConfig, out: DraftTree | None = None) -
     else:
         corr = (rnd.base_logp,) * 7                       # never read
     uncorrected = cfg.uncorrected_depths if with_states else depth_count
-    np_ = _p2(lanes * k)
-    meta = dict(WITH_STATES=with_states, MP=mp, LOG_MP=_log2(mp), RP=rp, GP=gp, NP=np_,
-                BI=min(RANK_BLOCK, np_, mp), **_dot_meta(), **LAUNCH)
+    np_ = next_pow2(lanes * k)
+    meta = dict(WITH_STATES=with_states, MP=mp, LOG_MP=log2(mp), RP=rp, GP=gp, NP=np_,
+                BI=min(RANK_BLOCK, np_, mp), **dot_meta(), **LAUNCH)
     for depth in range(depth_count):
         parts = 4 if with_states and depth + 1 < depth_count else 1
-        _expand_kernel[(b, 1 if depth == 0 else lanes, parts)](
+        expand_kernel[(b, 1 if depth == 0 else lanes, parts)](
             rnd.cand_ids, rnd.base_logp, *corr, kid_score, kid_cand, lane_h, lane_gh, lane_score, led_score,
             led_parent, led_token, scratch, depth, depth_count, m, r, g, lanes, k, uncorrected, **meta)
-    _ledger_kernel[(b,)](rnd.cand_ids, kid_score, kid_cand, led_score, led_parent, led_token, pos, out.tokens,
-                         out.parents, out.depths, out.scores, out.valid, depth_count, m, lanes, k, cfg.budget,
-                         NP=np_, EP=_p2(depth_count * lanes), BI=min(RANK_BLOCK, np_), **LAUNCH)
+    ledger_kernel[(b,)](rnd.cand_ids, kid_score, kid_cand, led_score, led_parent, led_token, pos, out.tokens,
+                        out.parents, out.depths, out.scores, out.valid, depth_count, m, lanes, k, cfg.budget,
+                        NP=np_, EP=next_pow2(depth_count * lanes), BI=min(RANK_BLOCK, np_), **LAUNCH)
     return out

@@ -1,0 +1,10 @@
+"""Triton kernels of the draft tree builder (CUDA tensors; CPU tensors under TRITON_INTERPRET=1 when
+speculative.tree's `triton_on_cpu` asks for them).
+
+    tree_ops     the shared @triton.jit device math and the launch constants
+    tree_round   a round's preparation: candidates, base log-probs, z projections, root GRU states
+    tree_rows    one node per program: what the reference heap and the torch frontier launch
+    tree_fused   the fused frontier build: one launch per depth plus one for the ledger
+
+Imports run one way: tree_ops <- tree_round, tree_rows, tree_fused; all of them read speculative.draft_tree.
+"""
