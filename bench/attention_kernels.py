@@ -17,19 +17,15 @@ import itertools
 import json
 import os
 import random
-import sys
 
 import torch
+import triton
+from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from replicas.attention.reference import attention_reference  # noqa: E402
-from replicas.attention.spec import AttentionBatch, AttentionSpec  # noqa: E402
-from replicas.kernels.decode_attention import DecodeTuning, decode_num_splits, num_sms_of, paged_decode_attention  # noqa: E402
-from replicas.kernels.extend_attention import ExtendTuning, paged_extend_attention  # noqa: E402
+from replicas.attention.reference import attention_reference
+from replicas.attention.spec import AttentionBatch, AttentionSpec
+from replicas.kernels.decode_attention import DecodeTuning, decode_num_splits, num_sms_of, paged_decode_attention
+from replicas.kernels.extend_attention import ExtendTuning, paged_extend_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -42,7 +42,7 @@ import torch
 
 from replicas import LLM, SamplingParams
 from bench.speculative_report import Run, build_report, format_table, temp_key
-from bench.tree_builder import time_tree_build
+from bench.tree_builder import builder_identity, time_tree_build
 
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_heldout.json")
 
@@ -147,7 +147,10 @@ def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], conc
     after = engine.get_stats()
     old_pos = before.spec_accepted_by_position
     by_pos = [a - (old_pos[d] if d < len(old_pos) else 0) for d, a in enumerate(after.spec_accepted_by_position)]
-    delta = lambda name: getattr(after, name) - getattr(before, name)
+
+    def delta(name: str) -> int:
+        return getattr(after, name) - getattr(before, name)
+
     return Run(outputs, seconds, decode_tokens / decode_s if decode_s > 0 else 0.0, delta("num_steps"),
                replays[0] - replays_before[0], replays[1] - replays_before[1], delta("spec_drafts"),
                delta("spec_draft_tokens"), delta("spec_accepted_tokens"), by_pos)
@@ -260,12 +263,25 @@ def drafter_in_use(cfg: BenchConfig, model_config) -> str:
     try:
         from speculative.drafters import bundled_drafter
     except ImportError:                     # a tree without bundled drafters
-        bundled_drafter = lambda _: None
-    found = bundled_drafter(model_config)
+        found = None
+    else:
+        found = bundled_drafter(model_config)
     if found is None and not cfg.allow_random_drafter:
         raise SystemExit("no drafter is bundled for this model: pass --drafter DIR (the `drafter/` folder "
                          "python -m speculative.train writes), or --allow-random-drafter for a smoke test")
     return found or "random (allow_random_drafter)"
+
+
+def check_builders(cfg: BenchConfig, cuda: bool) -> dict:
+    """The GPU builder against the reference on --builder-cases random rounds (CUDA only)."""
+    if not cuda:
+        return dict(skipped="needs CUDA")
+    if cfg.builder_cases <= 0:
+        return dict(skipped="--builder-cases 0")
+    started = time.perf_counter()
+    identity = builder_identity(cfg.builder_cases, "cuda", cfg.seed)
+    identity["seconds"] = time.perf_counter() - started
+    return identity
 
 
 def run_bench(cfg: BenchConfig) -> BenchResult:
@@ -303,7 +319,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                    max_prompt_tokens=cfg.max_prompt_tokens, chat_template="one user turn",
                    requests_per_batch={f"b{b}": n for b, n in counts.items()},
                    mean_prompt_tokens=sum(map(len, eligible[:top])) / top)
-    report = build_report(cfg, results, greedy, drafter, tie, cuda, prompts, len(warm))
+    report = build_report(cfg, results, greedy, drafter, tie, cuda, prompts, len(warm), check_builders(cfg, cuda))
     report["wall_seconds"] = time.perf_counter() - started
     outputs = {(m, t, b): r.outputs for m, res in results.items() for (t, b), r in res["runs"].items()}
     outputs.update({(f"{m}@forced", t, b): r.outputs for m, res in results.items()

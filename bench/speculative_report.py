@@ -1,19 +1,30 @@
 """bench.speculative's report: what one run measured (`Run`), the JSON report assembled from every engine's runs
 (speed ratios, tau, acceptance by position, agreement with plain decoding, the tree builder sections) and the
-summary table printed at the end."""
+summary table printed at the end. It measures nothing and imports nothing of bench.speculative: the runner hands
+it the settings (`ReportConfig`) and the data."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 
 from replicas.loaders.default_model import default_model_path
-from bench.tree_builder import builder_identity
 
-if TYPE_CHECKING:
-    from bench.speculative import BenchConfig
+
+class ReportConfig(Protocol):
+    """The benchmark settings the report reads (bench.speculative.BenchConfig has them)."""
+    model: Optional[str]
+    modes: tuple[str, ...]
+    batches: tuple[int, ...]
+    temps: tuple[float, ...]
+    seed: int
+    max_tokens: int
+    ignore_eos: bool
+    gpu_memory_utilization: float
+    spec_budget: int
+    tree_rounds: int
+    force_budget: Optional[int]
 
 
 @dataclass
@@ -56,7 +67,7 @@ def batch_key(b: int) -> str:
     return "speedup_b1" if b == 1 else f"throughput_ratio_b{b}"
 
 
-def mode_report(cfg: BenchConfig, runs: dict, plain: dict, greedy: Optional[dict] = None) -> dict:
+def mode_report(cfg: ReportConfig, runs: dict, plain: dict, greedy: Optional[dict] = None) -> dict:
     """Per temperature: tau and acceptance per position over all batches, speed ratios against plain decoding,
     agreement with plain decoding (greedy: batch -> near-tie verdicts at T=0, from `greedy_agreement`)."""
     report = {}
@@ -90,10 +101,11 @@ def _same_share(got: list[list[int]], want: list[list[int]]) -> float:
     return sum(a == w for a, w in zip(got, want)) / len(want)
 
 
-def build_report(cfg: BenchConfig, results: dict, greedy: dict, drafter: Optional[str], tie: float, cuda: bool,
-                 prompts: dict, warm_requests: int) -> dict:
+def build_report(cfg: ReportConfig, results: dict, greedy: dict, drafter: Optional[str], tie: float, cuda: bool,
+                 prompts: dict, warm_requests: int, identity: dict) -> dict:
     """The JSON report but its wall_seconds and config: the set-up, each engine's `measure` result, every mode's
-    `mode_report` against plain decoding, and the tree sections."""
+    `mode_report` against plain decoding, and the tree sections (identity: the builder identity check's result,
+    or `{"skipped": reason}`)."""
     plain = results["plain"]["runs"]
     report: dict = dict(
         device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
@@ -118,14 +130,14 @@ def build_report(cfg: BenchConfig, results: dict, greedy: dict, drafter: Optiona
             report[mode]["forced"] = dict(budget=cfg.force_budget, note="budget forced at every batch size, "
                                           "bypassing the policy", **mode_report(cfg, results[mode]["forced_runs"],
                                                                                plain, greedy.get(f"{mode}@forced")))
-    report.update(tree_sections(cfg, {m: results[m].get("tree_build") for m in cfg.modes}, cuda))
+    report.update(tree_sections(cfg, {m: results[m].get("tree_build") for m in cfg.modes}, identity))
     return report
 
 
-def tree_sections(cfg: BenchConfig, builds: dict[str, Optional[dict]], cuda: bool) -> dict:
-    """tree_build_ms_b16 (DominoTree's builder if measured) and the builder identity count; null off CUDA."""
+def tree_sections(cfg: ReportConfig, builds: dict[str, Optional[dict]], identity: dict) -> dict:
+    """tree_build_ms_b16 (DominoTree's builder if measured) and the builder identity count; null when skipped."""
     out: dict = dict(tree_build_ms_b16=None, tree_build=dict(skipped="needs CUDA"),
-                     builder_bit_identical_cases=None, builder_identity=dict(skipped="needs CUDA"))
+                     builder_bit_identical_cases=identity.get("identical"), builder_identity=identity)
     builds = {m: b for m, b in builds.items() if b is not None}
     if builds:
         mode = "dominotree" if "dominotree" in builds else next(iter(builds))
@@ -136,17 +148,10 @@ def tree_sections(cfg: BenchConfig, builds: dict[str, Optional[dict]], cuda: boo
             builder="prepare_round + build_frontier, eager: the engine's path (speculative/speculator.py); "
                     "graph_ms: GraphTreeBuilder replaying the same (the engine does not use it yet)",
             by_mode=builds)
-    if cuda and cfg.builder_cases > 0:
-        started = time.perf_counter()
-        identity = builder_identity(cfg.builder_cases, "cuda", cfg.seed)
-        identity["seconds"] = time.perf_counter() - started
-        out.update(builder_bit_identical_cases=identity["identical"], builder_identity=identity)
-    elif cuda:
-        out["builder_identity"] = dict(skipped="--builder-cases 0")
     return out
 
 
-def format_table(report: dict, cfg: BenchConfig) -> str:
+def format_table(report: dict, cfg: ReportConfig) -> str:
     cols = ["tau"] + [batch_key(b) for b in cfg.batches]
     heads = ["tau"] + [("speedup_b1" if b == 1 else f"ratio_b{b}") for b in cfg.batches]
     lines = [f"{'mode':14s}{'temp':6s}" + "".join(f"{h:>12s}" for h in heads) + f"{'equal_plain':>14s}  budgets"]
