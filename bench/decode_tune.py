@@ -1,4 +1,4 @@
-"""Decode tuning benchmark (GPU, one run, about 3 minutes on an H200): skinny GEMM vs cuBLAS, decode attention.
+"""Decode tuning benchmark (GPU, one run of a few minutes): skinny GEMM vs cuBLAS, decode attention.
 
     python -m bench.decode_tune [--out bench/results/decode_tune.json] [--budget-s 170]
 

@@ -17,8 +17,8 @@ METRICS_PERIOD_S = 1.0
 class MetricsRecorder:
     """`ReplicaMetrics` in a Ray actor of its own (num_cpus 0, owned by the replica, so it dies with it).
     `ray.util.metrics` costs a C++ call under the GIL per point, and the inter-token histogram takes a point per
-    token: ~10k points/s from a busy replica, 9% of the serving process's samples on the H200 when it recorded
-    them itself. Calls from one caller run in order on the actor, so the counters' increments stay ordered."""
+    token, so a busy replica recording them itself would spend a real share of the serving process's time on
+    them. Calls from one caller run in order on the actor, so the counters' increments stay ordered."""
 
     def __init__(self, model_name: str, replica_id: str):
         self.metrics = ReplicaMetrics(model_name, replica_id)

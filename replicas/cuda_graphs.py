@@ -11,8 +11,8 @@ is ignored).
 Mixed graphs run any other step without a tree (prefill chunks, alone or beside decodes) of up to
 `max_mixed_tokens` tokens: one graph per token bucket T, with min(T, max_num_seqs) lanes. Padded lanes have no
 new tokens (the extend kernel's packed tile grid never visits them) and padded token rows write nowhere and
-are sliced off; rows are independent in every other op. Eagerly such a step is launch-bound: ~300 launches
-from Python, 11 ms for a 128-token prefill of SmolLM2 on the H200 against 1.2 ms replayed (docs/engine.md).
+are sliced off; rows are independent in every other op. Eagerly such a step is launch-bound on a small model:
+its hundreds of launches from Python take longer than the device work they issue (docs/engine.md has figures).
 
 The KV tensors' addresses never change after start-up, so graphs are captured once. A replay's outputs are
 overwritten by the next replay: `run` hands out views, the caller copies what it keeps."""

@@ -1,14 +1,14 @@
 """Which requests report an output this step: per-request coalescing before anything is built or pickled.
 
-A server streaming to many clients cannot use an output per request per step: at 64 streams the engine
-steps ~300 times a second, ~19,000 outputs a second for the engine core to build and pickle and for the
-serving process to load and fan out, on the GIL its HTTP side needs. With an item budget set
+A server streaming to many clients cannot use an output per request per step: that is one object per stream
+per engine step for the engine core to build and pickle and for the serving process to load and fan out, on
+the GIL its HTTP side needs. With an item budget set
 (`EngineConfig.stream_item_ms`; `tidal serve` sets it), each of n streaming requests reports only once
 (n - 1) x the budget has passed since its last report: the serving process handles about one item per
 budget however many streams it serves, and a lone stream gets every step. A request that does not report
 simply keeps its new tokens and text: `Request.make_output` copies out everything since the previous
 output, so merging costs nothing. A request's first output (its first token: TTFT) and its last one go out
-at once, so coalescing never delays a request's start or end (tests/test_stream_batches.py).
+at once, so coalescing never delays a request's start or end (tests/replicas/test_stream_batches.py).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ SPLIT_POLICIES = ("auto", "fill", "never")
 class DecodeTuning:
     block_n: int = 64                # keys per tile (may span several pages)
     num_warps: int = 4
-    num_stages: int = 3              # bench.decode_tune on the H200: 64/4/3 was the fastest at every B and context
+    num_stages: int = 3              # block_n/num_warps/num_stages tuned: python -m bench.decode_tune re-tunes them
     # "auto": a grid of B * Hkv programs that already has full_programs_per_sm per SM runs unsplit (no partials,
     # no reduce kernel); a smaller one is split like "fill". "fill": always split up to programs_per_sm per SM.
     # "never": one program per (sequence, KV head).
@@ -143,11 +143,11 @@ def _decode_reduce_kernel(
     s_mask = s < num_splits
     part = (b * NUM_HEADS + h) * num_splits + s
     m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(l_ptr + part, mask=s_mask, other=0.0)
+    denom = tl.load(l_ptr + part, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)    # all splits empty: weights 0, output 0
     w = tl.exp2(m - m_max)
-    total = tl.sum(l * w, 0)
+    total = tl.sum(denom * w, 0)
     acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
                   mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -173,13 +173,13 @@ def paged_decode_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, se
     partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), tuning.block_n) * tuning.block_n
     if splits > 1:
         m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
-        l = torch.empty_like(m)
+        denom = torch.empty_like(m)
         acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     else:
-        m = l = acc = out       # unused by the kernel without SPLIT
+        m = denom = acc = out       # unused by the kernel without SPLIT
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_partial_kernel[(num_seqs, spec.num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc,
+        q, k_cache, v_cache, block_tables, seq_lens, out, m, denom, acc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         splits, partition, spec.scale * LOG2E, spec.sliding_window or 0,
@@ -191,7 +191,7 @@ def paged_decode_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, se
     )
     if splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            m, l, acc, out, out.stride(0), out.stride(1), splits,
+            m, denom, acc, out, out.stride(0), out.stride(1), splits,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
         )
