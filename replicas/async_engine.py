@@ -13,7 +13,10 @@ from typing import AsyncIterator, Optional
 
 from replicas.config import EngineConfig
 from replicas.distributed.launch import ProcessLauncher, WorkerLauncher, free_port
-from replicas.engine_core import ChatPrompt, EngineInfo, Prompt, run_engine_core
+from replicas.engine_core import run_engine_core
+from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, ClientMessage, CoreDied,
+                                      DrainFinishedTimings, EngineCall, EngineInfo, GetStats, Outputs, Prompt,
+                                      Ready, Reconfigure, Reply, RequestFailed, Shutdown)
 from replicas.outputs import RequestOutput
 from replicas.request import RequestError
 from replicas.sampling_params import SamplingParams
@@ -65,31 +68,35 @@ class AsyncLLMEngine:
             self._proc.kill()
             raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S:.0f} s")
         try:
-            kind, *rest = self._from_core.recv()
+            msg = self._from_core.recv()
         except EOFError:
             self._proc.join(5)
             raise RuntimeError(f"the engine core exited while starting (exit code {self._proc.exitcode})") from None
-        if kind != "ready":
-            self._proc.join(30)
-            raise RuntimeError(f"the engine core failed to start:\n{rest[0]}")
-        return rest[0]
+        match msg:
+            case Ready(info=info):
+                return info
+            case CoreDied(traceback=tb):
+                self._proc.join(30)
+                raise RuntimeError(f"the engine core failed to start:\n{tb}")
+            case _:
+                self._proc.kill()
+                raise RuntimeError(f"the engine core sent {type(msg).__name__} before Ready")
 
     # ---- the reader thread --------------------------------------------------------------------
     def _read(self) -> None:
         try:
             while True:
-                kind, *rest = self._from_core.recv()
-                if kind == "outputs":
-                    self._publish([(out.request_id, self._with_prompt(out)) for out in rest[0]])
-                elif kind == "error":
-                    self._publish([(rest[0], rest[1])])
-                elif kind == "reply":
-                    call_id, ok, value = rest
-                    fut = self._calls.pop(call_id, None)
-                    if fut is not None:
-                        fut.set_result(value) if ok else fut.set_exception(value)
-                elif kind == "dead":
-                    raise EngineDeadError(f"engine core died:\n{rest[0]}")
+                match self._from_core.recv():
+                    case Outputs(outputs=outputs):
+                        self._publish([(out.request_id, self._with_prompt(out)) for out in outputs])
+                    case RequestFailed(request_id=rid, error=error):
+                        self._publish([(rid, error)])
+                    case Reply(call_id=call_id, ok=ok, value=value):
+                        fut = self._calls.pop(call_id, None)
+                        if fut is not None:
+                            fut.set_result(value) if ok else fut.set_exception(value)
+                    case CoreDied(traceback=tb):
+                        raise EngineDeadError(f"engine core died:\n{tb}")
         except (EOFError, OSError, EngineDeadError) as e:
             if self._stopping and not isinstance(e, EngineDeadError):
                 return                                  # the core closed its end after a shutdown
@@ -122,17 +129,17 @@ class AsyncLLMEngine:
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: ClientMessage) -> None:
         with self._send_lock:
             self._to_core.send(msg)
 
-    def _call(self, method: str, **kwargs):
+    def _call(self, call: type[EngineCall], **fields):
         if self._error is not None:
             raise self._error
         fut: Future = Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
-        self._send(("call", call_id, method, kwargs))
+        self._send(call(call_id, **fields))
         return fut.result(CALL_TIMEOUT_S)
 
     # ---- the async API ----------------------------------------------------------------------
@@ -157,7 +164,7 @@ class AsyncLLMEngine:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._send(("add", request_id, prompt, params))
+        self._send(AddRequest(request_id, prompt, params))
         finished = False
         try:
             while not finished:
@@ -177,19 +184,19 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._prompts.pop(request_id, None)
         try:
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
         except OSError:                 # the core is gone: nothing left to abort (the reader reports why)
             pass
 
     def stats(self) -> EngineStats:
-        return self._call("get_stats")
+        return self._call(GetStats)
 
     def drain_finished_timings(self) -> list[RequestTimings]:
-        return self._call("drain_finished_timings")
+        return self._call(DrainFinishedTimings)
 
     def reconfigure(self, max_num_batched_tokens: Optional[int] = None, elastic: Optional[str] = None,
                     speculation: Optional[bool] = None) -> dict:
-        return self._call("reconfigure", max_num_batched_tokens=max_num_batched_tokens, elastic=elastic,
+        return self._call(Reconfigure, max_num_batched_tokens=max_num_batched_tokens, elastic=elastic,
                           speculation=speculation)
 
     def is_alive(self) -> bool:
@@ -200,7 +207,7 @@ class AsyncLLMEngine:
         if self._proc.is_alive() and self._error is None:
             self._stopping = True
             try:
-                self._send(("shutdown",))
+                self._send(Shutdown())
             except OSError:
                 pass
         self._proc.join(60)

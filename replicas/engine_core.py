@@ -6,10 +6,11 @@ step (measured on the H200: +19 ms TTFT at one stream, a sixth of the engine's t
 the loop owns its interpreter; the serving process (`replicas.async_engine.AsyncLLMEngine`) only sends requests
 and fans the step outputs out to its streams.
 
-Messages, client -> core:   ("add", rid, prompt, params) | ("abort", rid) | ("call", id, method, kwargs) |
-                            ("shutdown",)
-          core -> client:   ("ready", EngineInfo) | ("outputs", [RequestOutput]) | ("error", rid, exception) |
-                            ("reply", id, ok, value) | ("dead", traceback)
+Messages (replicas/engine_messages.py), one class per kind, pickled over the pipes:
+  client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
+  core -> client:  Ready(EngineInfo) | Outputs([RequestOutput]) | RequestFailed(request_id, error) |
+                   Reply(call_id, ok, value) | CoreDied(traceback)
+The core answers each call (GetStats, DrainFinishedTimings, Reconfigure) with one Reply between two steps.
 A request's prompt ids travel with its first output only (the client keeps them for the later ones). With
 `EngineConfig.stream_item_ms` set, each of n requests reports at most every (n - 1) x that, an output carrying
 everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
@@ -18,32 +19,19 @@ from __future__ import annotations
 
 import logging
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Optional, Union
+from typing import Optional
 
 from replicas.config import EngineConfig
 from replicas.distributed.launch import LaunchedRanks
+from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, ClientMessage, CoreDied,
+                                      DrainFinishedTimings, EngineInfo, GetStats, Outputs, Prompt, Ready,
+                                      Reconfigure, Reply, RequestFailed, Shutdown)
 from replicas.outputs import RequestOutput
 
+__all__ = ["ChatPrompt", "EngineCore", "EngineInfo", "Prompt", "portable_error", "run_engine_core"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """Chat messages that the core turns into prompt ids with the model's chat template."""
-    messages: list[dict]
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    model_name: str
-    max_model_len: int
-    vocab_size: int               # ids below this are valid in both the model and the tokenizer
-    elastic_available: bool
-
-
-CALLS = ("get_stats", "drain_finished_timings", "reconfigure")
 
 
 def portable_error(e: BaseException) -> BaseException:
@@ -77,34 +65,42 @@ class EngineCore:
             if engine.has_unfinished:
                 outputs = engine.step()
                 if outputs:
-                    self.outputs.send(("outputs", self.compact(outputs)))
+                    self.outputs.send(Outputs(self.compact(outputs)))
 
-    def handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            _, rid, prompt, params = msg
-            try:
-                if isinstance(prompt, ChatPrompt):
-                    prompt = self.engine.tokenizer.encode_chat(prompt.messages, add_generation_prompt=True)
-                self.engine.add_request(rid, prompt, params)
-            except ValueError as e:                   # RequestError, or the chat template refused the messages
-                self.outputs.send(("error", rid, portable_error(e)))
-        elif kind == "abort":
-            self.engine.abort(msg[1])
-            self.prompt_sent.discard(msg[1])
-        elif kind == "call":
-            _, call_id, method, kwargs = msg
-            try:
-                if method not in CALLS:
-                    raise ValueError(f"unknown engine call {method!r}")
-                value = getattr(self.engine, method)(**kwargs)
-                self.outputs.send(("reply", call_id, True, value))
-            except Exception as e:  # noqa: BLE001 - a failed call is the caller's error, the loop goes on
-                self.outputs.send(("reply", call_id, False, portable_error(e)))
-        elif kind == "shutdown":
-            self.stopping = True
-        else:
-            raise ValueError(f"unknown engine core message {kind!r}")
+    def handle(self, msg: ClientMessage) -> None:
+        match msg:
+            case AddRequest():
+                self.add(msg)
+            case AbortRequest(request_id=rid):
+                self.engine.abort(rid)
+                self.prompt_sent.discard(rid)
+            case GetStats(call_id=call_id):
+                self.answer(call_id, self.engine.get_stats)
+            case DrainFinishedTimings(call_id=call_id):
+                self.answer(call_id, self.engine.drain_finished_timings)
+            case Reconfigure(call_id=call_id):
+                self.answer(call_id, lambda: self.engine.reconfigure(
+                    max_num_batched_tokens=msg.max_num_batched_tokens, elastic=msg.elastic,
+                    speculation=msg.speculation))
+            case Shutdown():
+                self.stopping = True
+            case _:
+                raise TypeError(f"unknown engine core message {msg!r}")
+
+    def add(self, msg: AddRequest) -> None:
+        prompt = msg.prompt
+        try:
+            if isinstance(prompt, ChatPrompt):
+                prompt = self.engine.tokenizer.encode_chat(prompt.messages, add_generation_prompt=True)
+            self.engine.add_request(msg.request_id, prompt, msg.params)
+        except ValueError as e:                   # RequestError, or the chat template refused the messages
+            self.outputs.send(RequestFailed(msg.request_id, portable_error(e)))
+
+    def answer(self, call_id: int, call) -> None:
+        try:
+            self.outputs.send(Reply(call_id, True, call()))
+        except Exception as e:  # noqa: BLE001 - a failed call (or an unpicklable value) is the caller's error
+            self.outputs.send(Reply(call_id, False, portable_error(e)))
 
     def compact(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:
@@ -127,14 +123,14 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         launcher = LaunchedRanks(init_method) if config.tensor_parallel_size > 1 else None
         engine = LLMEngine(config, worker_launcher=launcher)
         vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
-        outputs.send(("ready", EngineInfo(engine.model_name, engine.max_model_len, vocab, engine.elastic is not None)))
+        outputs.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, vocab, engine.elastic is not None)))
         EngineCore(engine, inputs, outputs).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("the serving process went away; the engine core stops")
     except BaseException:  # noqa: BLE001 - the client must learn why, not just see the pipe close
         log.error("engine core died: %s", traceback.format_exc())
         try:
-            outputs.send(("dead", traceback.format_exc()))
+            outputs.send(CoreDied(traceback.format_exc()))
         except OSError:
             pass
     finally:
@@ -142,5 +138,3 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
             engine.shutdown()
         outputs.close()
 
-
-Prompt = Union[str, list[int], ChatPrompt]

@@ -1,0 +1,107 @@
+"""The messages between AsyncLLMEngine and its engine core process (replicas/engine_core.py): one class per kind,
+pickled over the two pipes. The core dispatches on the message's type.
+
+client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
+core -> client:  Ready (once, first) | Outputs | RequestFailed | Reply (one per call) | CoreDied (last)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from replicas.outputs import RequestOutput
+from replicas.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """Chat messages that the core turns into prompt ids with the model's chat template."""
+    messages: list[dict]
+
+
+Prompt = Union[str, list[int], ChatPrompt]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    model_name: str
+    max_model_len: int
+    vocab_size: int               # ids below this are valid in both the model and the tokenizer
+    elastic_available: bool
+
+
+# ---- client -> core ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """A call of an engine method, answered by one Reply with the same call_id between two steps."""
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetStats(EngineCall):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class DrainFinishedTimings(EngineCall):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure(EngineCall):
+    max_num_batched_tokens: Optional[int] = None
+    elastic: Optional[str] = None
+    speculation: Optional[bool] = None
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+ClientMessage = Union[AddRequest, AbortRequest, GetStats, DrainFinishedTimings, Reconfigure, Shutdown]
+
+
+# ---- core -> client ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ready:
+    info: EngineInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs:
+    """One engine step's outputs. A request's prompt ids travel with its first output only."""
+    outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    request_id: str
+    error: BaseException              # engine_core.portable_error(e): one the client can unpickle
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    call_id: int
+    ok: bool
+    value: object                     # the call's result, or its portable_error when not ok
+
+
+@dataclass(frozen=True, slots=True)
+class CoreDied:
+    traceback: str
+
+
+CoreMessage = Union[Ready, Outputs, RequestFailed, Reply, CoreDied]
