@@ -9,8 +9,8 @@ Per mode: an engine with that method (the bundled drafter for SmolLM2 unless --d
 sequences with a `--context`-token drafter context, driven by the start-up profile's own round
 (replicas/spec_profile.draft_round: the previous round's context update, the draft block, the tree, its host
 copy). 5 warm-up rounds; then `--rounds` rounds timed with the device synchronised around each (median
-wall ms per round); then the same rounds under torch.profiler: per label the host time per round and, on CUDA, the device
-time of the kernels launched inside it, and the ten kernels with the most device time. Seed 0.
+wall ms per round); then the same rounds under torch.profiler: per label the host time per round and, on CUDA,
+the device time of the kernels launched inside it, and the ten kernels with the most device time. Seed 0.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from replicas import LLM
+from replicas.device import resolve_device
 from speculative.profile import draft_round, median_seconds
 
 LABELS = ("draft:context", "draft:drafter", "draft:tree", "draft:host_copy")
@@ -94,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--device", default=resolve_device().type, choices=["cuda", "cpu"])
     ap.add_argument("--out", default="bench/results/draft_round.json")
     args = ap.parse_args(argv)
     res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "CPU", "torch": torch.__version__,

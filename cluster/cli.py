@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from replicas.device import DEVICES
+
 
 def _add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="answer one chat prompt with a model (default: embedded SmolLM2)")
@@ -15,7 +17,7 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="complete the prompt as text, without the chat template")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=DEVICES)
 
 
 def _run_generate(args) -> int:

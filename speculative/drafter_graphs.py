@@ -31,13 +31,13 @@ capture synchronises the device and empties the allocator's cache, as `torch.cud
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from replicas import envs
 from replicas.transfer import to_device
 from speculative.context_cache import PagedDraftContext, next_power_of_two
 from speculative.drafter import DominoDrafter, DraftBlock, DraftContext
@@ -45,18 +45,15 @@ from speculative.graph_buffers import Arena, HostStaging, capture_graph
 
 log = logging.getLogger(__name__)
 
-ENV_SWITCH = "TIDAL_DRAFTER_GRAPHS"       # "0": the drafter pass runs eagerly
-STATIC_SWITCH = "TIDAL_STATIC_DRAFT"      # "0": only the drafter pass graphed, the context update eager
-
-
 def graphs_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """TIDAL_DRAFTER_GRAPHS=0: the drafter pass runs eagerly (replicas/envs.py)."""
+    return envs.drafter_graphs()
 
 
 def static_draft_enabled() -> bool:
     """The whole draft side on static shapes (run_paged + flush graphs), the default since its H200 run:
     1.2 ms per round against 2.4 ms with the context update eager (bench/results/draft_round.json)."""
-    return os.environ.get(STATIC_SWITCH, "1") != "0"
+    return envs.static_draft()
 
 
 def padded_batch(batch: int, max_batch: int = 256) -> Optional[int]:

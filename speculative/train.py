@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from replicas.device import resolve_device
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.train_data import PairBatcher, TrainBatch
 
@@ -216,8 +217,8 @@ class Trainer:
 
     def save(self) -> None:
         self.drafter.save(self.ckpt_dir)
-        torch.save({"step": self.step, "total_steps": self.total_steps, "optimizer": self.opt.state_dict(), "batcher": self.batcher.state(),
-                    "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg)},
+        torch.save({"step": self.step, "total_steps": self.total_steps, "optimizer": self.opt.state_dict(),
+                    "batcher": self.batcher.state(), "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg)},
                    os.path.join(self.ckpt_dir, "trainer.pt"))
 
     def resume(self) -> None:
@@ -259,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--max-response", type=int, default=512)
     p.add_argument("--out", required=True)
     p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=resolve_device().type)
     for field, value in asdict(TrainConfig()).items():
         p.add_argument("--" + field.replace("_", "-"), type=type(value) if value is not None else float,
                        default=value)

