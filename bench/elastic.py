@@ -164,7 +164,8 @@ def section_vmm(args, out: dict) -> None:
     reserve = out.get("reserve_bytes_tp1")
     layers = SHAPES[args.model]["num_hidden_layers"]
     if reserve:
-        rows += [time_pool(layers, reserve // layers, True, max_layers_per_range=g) for g in (LAYERS_PER_RANGE, 1, 2, 8)]
+        rows += [time_pool(layers, reserve // layers, True, max_layers_per_range=g)
+                 for g in (LAYERS_PER_RANGE, 1, 2, 8)]
         out["vmm_one_range"] = time_one_range(reserve)
     best = rows[3] if reserve else rows[2]             # the engine's layout (kv_layout.LAYERS_PER_RANGE)
     out.update(vmm=rows, decommit_ms=best["decommit_ms"]["median"], recommit_ms=best["commit_ms"]["median"],
@@ -179,14 +180,14 @@ def section_sizing(args, out: dict) -> None:
     context = total - free0                                    # CUDA context and whatever else is resident
     per_tp = {}
     for tp in (1, 2, 4):
-        cfg = EngineConfig(model=shape_folder(args.model, tp), load_format="dummy", max_num_batched_tokens=args.budget,
-                           max_num_seqs=args.max_num_seqs)
+        cfg = EngineConfig.from_flat(model=shape_folder(args.model, tp), load_format="dummy",
+                                     max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs)
         runner = ModelRunner(cfg)
         weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         if tp == 1:
             full_weights = weights
         sizing = profile_reserve(runner)
-        kv_bytes = total * cfg.gpu_memory_utilization - context - full_weights / tp - sizing.headroom_bytes
+        kv_bytes = total * cfg.cache.gpu_memory_utilization - context - full_weights / tp - sizing.headroom_bytes
         per_tp[tp] = {**sizing.to_dict(), "kv_bytes": int(kv_bytes),
                       "reserve_fraction": round(sizing.lendable_bytes / kv_bytes, 5)}
         del runner
@@ -200,9 +201,9 @@ def section_sizing(args, out: dict) -> None:
 
 # ---- engines under load --------------------------------------------------------------------------------
 def build(folder: str, mode: str, budget: int, args, policy=None):
-    engine = LLMEngine(EngineConfig(model=folder, load_format="dummy", num_kv_blocks=64, seed=0,
-                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                                    max_model_len=max(budget, 16384)))
+    engine = LLMEngine(EngineConfig.from_flat(model=folder, load_format="dummy", num_kv_blocks=64, seed=0,
+                                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                                              max_model_len=max(budget, 16384)))
     attach_elastic(engine, mode, policy)
     return engine
 
@@ -366,7 +367,8 @@ def section_tp2(args, out: dict) -> None:
                                "reclaim_ms": ms_stats(stats.reclaim_latencies) if stats.reclaim_latencies else None}}
         out["reserve_fraction_tp2_computed"] = out.get("reserve_fraction_tp2_computed", out.get("reserve_fraction_tp2"))
         out["reserve_fraction_tp2"] = out["tp2"]["reserve_fraction"]
-        out["reserve_fraction_tp2_method"] = "measured: rank 0 of a TP=2 engine on two GPUs (NCCL), reserve / base blocks"
+        out["reserve_fraction_tp2_method"] = ("measured: rank 0 of a TP=2 engine on two GPUs (NCCL), "
+                                              "reserve / base blocks")
     finally:
         llm.shutdown()
 

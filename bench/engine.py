@@ -87,7 +87,7 @@ def decode_point(llm: LLM, ceil: Ceilings, batch_size: int, ctx: int) -> dict:
     kv_bytes = batch_size * ctx * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * elem
     wbytes = weight_bytes(runner.model)
     batch, seqs = fake_batch(engine, batch_size, ctx, 1)
-    step = StepInput.from_batch(batch, engine.config.block_size)
+    step = StepInput.from_batch(batch, engine.config.cache.block_size)
     t = time_step(runner, step)
     release(engine, seqs)
     return {"batch": batch_size, "ctx": ctx, "step_ms": t * 1e3, "bytes": wbytes + kv_bytes,
@@ -108,7 +108,7 @@ def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefi
     out.update(decode_batch=decode_batch, decode_ctx=decode_ctx, decode_step_ms=head["step_ms"],
                decode_bytes=head["bytes"], decode_bw_fraction=head["bw_fraction"], decode_graphs=head["graphs"])
     batch, seqs = fake_batch(engine, decode_batch, decode_ctx, 1)
-    step = StepInput.from_batch(batch, engine.config.block_size)
+    step = StepInput.from_batch(batch, engine.config.cache.block_size)
     kv_bytes = decode_batch * decode_ctx * kv_per_token
     lin_flops = 2 * (wbytes / elem) * decode_batch
     attn_flops = 4 * decode_batch * decode_ctx * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
@@ -118,7 +118,7 @@ def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefi
         "gemm": (wbytes, lin_flops), "attention_decode": (kv_bytes, attn_flops)}, ceil)
     release(engine, seqs)
     batch, seqs = fake_batch(engine, 1, prefill_tokens, prefill_tokens)
-    step = StepInput.from_batch(batch, engine.config.block_size)
+    step = StepInput.from_batch(batch, engine.config.cache.block_size)
     t = time_step(runner, step, iters=5)
     T = prefill_tokens
     attn = 2 * 2 * (T * T / 2) * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
@@ -164,7 +164,8 @@ def hf_throughput(shape: str, prompts, lens, n: int = 32) -> dict:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
     del model
-    return {"hf_num_seqs": n, "hf_output_tokens": sum(sub_lens), "hf_seconds": dt, "hf_output_tok_s": sum(sub_lens) / dt}
+    return {"hf_num_seqs": n, "hf_output_tokens": sum(sub_lens), "hf_seconds": dt,
+            "hf_output_tok_s": sum(sub_lens) / dt}
 
 
 def bench_shape(shape: str, args, ceil: Ceilings) -> dict:

@@ -36,7 +36,7 @@ def build_step(engine, groups: list[tuple[int, int, int]]) -> tuple[StepInput, l
         batch, group = fake_batch(engine, count, ctx, new)
         seqs += group
         new_tokens += batch.num_new_tokens
-    return StepInput.from_batch(ScheduledBatch(seqs, new_tokens), engine.config.block_size), seqs
+    return StepInput.from_batch(ScheduledBatch(seqs, new_tokens), engine.config.cache.block_size), seqs
 
 
 def wall_ms(runner, step) -> float:

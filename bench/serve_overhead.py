@@ -56,12 +56,14 @@ import torch
 from cluster.app import AppArgs, engine_config
 from cluster.benchmark.report import Summary
 from cluster.local_server import LocalServer
-from cluster.replica import STREAM_ITEM_MS
+from cluster.replica import replica_engine_config
 from cluster.protocol import CompletionRequest
 from bench.serve_overhead_report import THROUGHPUT_TARGET, TTFT_TARGET_MS, progress, report
 from cluster.serve_cmd import READY_TIMEOUT_S
 from replicas.async_engine import AsyncLLMEngine
+from replicas import envs
 from replicas.config import EngineConfig
+from replicas.device import resolve_device
 
 
 
@@ -234,7 +236,7 @@ def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfi
 def direct_engine_config(model: Optional[str], args: argparse.Namespace) -> EngineConfig:
     """The engine a replica runs for that config: with the replica's stream-item budget (cluster.replica), so the
     direct engine reports as sparingly as the served one and only Serve differs between the paths."""
-    return direct_config(model, args).with_(stream_item_ms=STREAM_ITEM_MS)
+    return replica_engine_config(direct_config(model, args))
 
 
 def overhead(serve: dict, direct: dict) -> dict:
@@ -295,7 +297,7 @@ def run(args: argparse.Namespace) -> dict:
             "ingress": args.ingress, "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
             "gpu_memory_utilization": GPU_MEMORY_UTILIZATION if args.device == "cuda" else None,
-            "stream_item_ms": STREAM_ITEM_MS,
+            "stream_item_ms": envs.stream_item_ms(),
             "counted": "generated tokens only (direct: streamed token ids; serve: usage.completion_tokens)",
             "method": __doc__.strip()}
 
@@ -305,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--model", default=None, help="GGUF file, HF folder, or with --load-format dummy a folder "
                                                    "with a config.json or a bench.shapes shape (qwen3-0.6b, llama3-8b)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--device", default=resolve_device().type, choices=["cuda", "cpu"])
     ap.add_argument("--num-prompts", type=int, default=256, help="requests of the loaded run")
     ap.add_argument("--idle-prompts", type=int, default=32, help="requests of the one-at-a-time run")
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests on each path")

@@ -5,37 +5,41 @@ or in a RayService config (`import_path: cluster.app:build_app`, `args: {...}`).
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve import Application
 
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES
 from cluster.rank_actor import rank_bundle
 from cluster.replica import LLMReplica
-from replicas.config import EngineConfig
+from replicas.config import EngineConfig, unknown_settings_message
+from replicas.device import resolve_device
 
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 UNBOUNDED = 1 << 20          # generation requests per replica when max_queued_requests is -1
 CONTROL_REQUESTS = 64        # Serve's headroom above the replica's queue, for the non-generating routes
 
 
 class AppArgs(BaseModel):
-    """Everything `build_app` takes; Serve fills it from the `args` of a config or `serve run`."""
+    """Everything `build_app` takes; Serve fills it from the `args` of a config or `serve run`.
+
+    The engine's settings are `engine_kwargs`, by their flat names (`EngineConfig.from_flat`: the `LLM(...)`
+    keywords); a few of them may also be given at the top level (PROMOTED: `serve run ... model=/m.gguf
+    tensor_parallel_size=2`), where they win over `engine_kwargs`. None there, or a name left out: the engine's
+    default."""
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: Optional[str] = None                   # HF folder or .gguf; None = the embedded SmolLM2
     served_model_name: Optional[str] = None       # default: the engine's model name
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: Optional[int] = None
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: Optional[dict[str, Any]] = None   # replaces num_replicas when set
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_num_batched_tokens: Optional[int] = Field(None, ge=1)
-    max_num_seqs: Optional[int] = Field(None, ge=1)
-    max_model_len: Optional[int] = Field(None, ge=1)
-    engine_kwargs: dict[str, Any] = {}            # any other EngineConfig field
+    device: Optional[str] = None                  # auto | cpu | cuda; auto: cuda when the cluster has GPUs
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    max_model_len: Optional[int] = None
+    engine_kwargs: dict[str, Any] = {}            # EngineConfig settings by flat name (EngineConfig.from_flat)
     knobs: Optional[dict[str, Any]] = None        # initial runtime knobs (Serve user_config -> reconfigure)
     api_key: Optional[str] = None                 # Bearer key; None = no auth
     cpus_per_rank: float = Field(1.0, gt=0)       # CPU share of each TP rank (torch threads on CPU)
@@ -43,26 +47,39 @@ class AppArgs(BaseModel):
     max_queued_requests: int = Field(256, ge=-1)  # per replica, waiting beyond max_ongoing; beyond -> 503 (-1: no cap)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
 
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _known_settings(cls, kw: dict[str, Any]) -> dict[str, Any]:
+        unknown = [k for k in kw if k not in EngineConfig.flat_names()]
+        if unknown:
+            raise ValueError(f"engine_kwargs: {unknown_settings_message(unknown)}")
+        return kw
 
-def resolve_device(device: str) -> str:
+    @model_validator(mode="after")
+    def _valid_engine(self) -> "AppArgs":
+        EngineConfig.from_flat(**engine_settings(self))       # types, choices and bounds, before deploying
+        return self
+
+
+PROMOTED = ("model", "tensor_parallel_size", "device", "max_num_batched_tokens", "max_num_seqs", "max_model_len")
+
+
+def engine_settings(args: AppArgs) -> dict[str, Any]:
+    """The flat engine settings of the app: `engine_kwargs`, and the PROMOTED top-level args that are set."""
+    return {**args.engine_kwargs, **{k: getattr(args, k) for k in PROMOTED if getattr(args, k) is not None}}
+
+
+def cluster_device(device: str) -> str:
     """'auto' means cuda when the cluster (or, without Ray, this machine) has a GPU."""
-    if device != "auto":
-        return device
-    if ray.is_initialized():
-        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    has_gpu = None
+    if device == "auto" and ray.is_initialized():
+        has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    return resolve_device(device, has_gpu=has_gpu).type
 
 
 def engine_config(args: AppArgs) -> EngineConfig:
-    unknown = set(args.engine_kwargs) - _ENGINE_FIELDS
-    if unknown:
-        raise ValueError(f"engine_kwargs has unknown EngineConfig fields {sorted(unknown)}")
-    explicit = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-                "max_model_len": args.max_model_len}
-    fields = {**args.engine_kwargs, **{k: v for k, v in explicit.items() if v is not None}}
-    return EngineConfig(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
-                        device=resolve_device(args.device), **fields)
+    flat = engine_settings(args)
+    return EngineConfig.from_flat(**{**flat, "device": cluster_device(flat.get("device", "auto"))})
 
 
 def build_app(args: AppArgs) -> Application:
@@ -72,7 +89,7 @@ def build_app(args: AppArgs) -> Application:
     use_gpu = config.device == "cuda"
     scale = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
              else {"num_replicas": args.num_replicas})
-    ongoing = args.max_ongoing_requests or config.max_num_seqs
+    ongoing = args.max_ongoing_requests or config.scheduling.max_num_seqs
     queue_limit = ongoing + args.max_queued_requests if args.max_queued_requests >= 0 else UNBOUNDED
     # The replica refuses what is beyond its queue itself, as an OpenAI 503; Serve's own limits sit above it
     # (room for /health, /v1/models, /stats), so its proxy never answers with a bare-text refusal.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import uuid
 from dataclasses import asdict
 from typing import AsyncIterator, Optional, Union
@@ -24,6 +23,7 @@ from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamSt
 from cluster.rank_actor import RayRankLauncher
 from cluster.replica_metrics import MetricsPump
 from replicas.async_engine import AsyncLLMEngine, ChatPrompt, RequestError
+from replicas import envs
 from replicas.config import EngineConfig
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParamsError
@@ -32,11 +32,16 @@ from replicas.stats import EngineStats
 logger = logging.getLogger("tidal.replica")
 
 RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
-# The replica's stream-item budget (EngineConfig.stream_item_ms): each of n streams reports at most every
-# (n - 1) x this, so a replica loads and sends ~1,000 items/s however many streams it serves (every item is work
-# on this process's GIL); a lone stream gets every step. TIDAL_STREAM_ITEM_MS overrides it (0: an output per
-# engine step).
-STREAM_ITEM_MS = float(os.environ.get("TIDAL_STREAM_ITEM_MS", "1.0"))
+
+
+def replica_engine_config(config: EngineConfig) -> EngineConfig:
+    """The config a replica's engine runs: the stream-item budget (EngineConfig's stream_item_ms), when the config
+    leaves it unset, is $TIDAL_STREAM_ITEM_MS or 1 ms (replicas/envs.py). Each of n streams then reports at most
+    every (n - 1) x that, so a replica loads and sends ~1,000 items/s however many streams it serves (every item
+    is work on this process's GIL); a lone stream gets every step (0: an output per engine step)."""
+    if config.serving.stream_item_ms is not None:
+        return config
+    return config.with_(stream_item_ms=envs.stream_item_ms())
 
 
 def _replica_id() -> str:
@@ -97,7 +102,7 @@ class EngineReplica(OpenAIRoutes):
         self.launcher: Optional[RayRankLauncher] = None
         if engine_config.tensor_parallel_size > 1:
             self.launcher = RayRankLauncher(engine_config.device == "cuda", cpus_per_rank)
-        self.engine = AsyncLLMEngine(engine_config.with_(stream_item_ms=STREAM_ITEM_MS), worker_launcher=self.launcher)
+        self.engine = AsyncLLMEngine(replica_engine_config(engine_config), worker_launcher=self.launcher)
         self._streams = 0                    # generate() calls in flight
         self._peers = None                   # this deployment's handle, for /stats
         self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id)
@@ -156,7 +161,7 @@ class EngineReplica(OpenAIRoutes):
         stats = await asyncio.to_thread(self.engine.stats)       # an engine call: answered between two steps
         return {"replica_id": self.replica_id, "model": self.engine.model_name,
                 "max_model_len": self.engine.max_model_len, "stats": asdict(stats),
-                "budget_limit": self.engine.config.max_num_batched_tokens,
+                "budget_limit": self.engine.config.scheduling.max_num_batched_tokens,
                 "elastic_available": self.engine.info.elastic_available}
 
     async def stats(self) -> EngineStats:

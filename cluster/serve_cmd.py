@@ -16,6 +16,10 @@ import urllib.request
 
 from pydantic import ValidationError
 
+from replicas import envs
+from replicas.config import EngineConfig, add_engine_arguments, engine_kwargs_from_args
+from replicas.device import resolve_device
+
 logger = logging.getLogger("tidal.serve")
 
 APP_NAME = "tidal"
@@ -53,9 +57,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API on Ray Serve",
                               description="Serve a model (default: the embedded SmolLM2-135M-Instruct) on Ray "
                                           "Serve. Joins the cluster in RAY_ADDRESS if set, else starts a local one.")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     p.add_argument("--replicas", type=int, default=1, help="number of replicas")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -64,54 +66,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "proxy (auto: HAProxy when its binary is installed)")
     p.add_argument("--metrics-port", type=int, default=8080,
                    help="Prometheus export port of the local Ray cluster (ignored when joining RAY_ADDRESS)")
-    p.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY"),
+    p.add_argument("--api-key", default=envs.api_key(),
                    help="require 'Authorization: Bearer KEY' (default: $TIDAL_API_KEY, else no auth)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                   help="dummy: random weights of the model's config (benchmarks of a shape, no checkpoint)")
-    p.add_argument("--dtype", default=None, help="weights and activations: bfloat16 (GPU default), float16, float32")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="share of the GPU the engine sizes its KV cache into")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
-    p.add_argument("--mixed-graph-tokens", type=int, default=None,
-                   help="steps with prefill chunks of up to this many tokens replay CUDA graphs (default 1024; 0: "
-                        "they run eagerly)")
     p.add_argument("--max-ongoing-requests", type=int, default=None,
                    help="requests one replica holds at once (default: the engine's max_num_seqs)")
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting for a replica; beyond -> 503")
-    p.add_argument("--elastic", choices=("off", "elastic", "static"), default="off",
-                   help="lend the prefill-activation reserve to the KV pool during decode (docs/elastic-kv.md)")
-    p.add_argument("--reserve-blocks", type=int, default=None,
-                   help="CPU only: size of the (logical) elastic reserve in KV blocks; GPUs size it by profiling")
-    p.add_argument("--speculative", choices=("dominotree", "chain", "ddtree"), default=None,
-                   help="speculative decoding with a drafter (docs/speculative.md); needs --drafter")
-    p.add_argument("--drafter", default=None, help="folder of a trained drafter (DominoDrafter.save)")
-    p.add_argument("--spec-budget", type=int, default=None, help="draft tree nodes per sequence and step (max)")
-    p.add_argument("--allow-random-drafter", action="store_true",
-                   help="tests only: a randomly initialised drafter when none is given or bundled")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="initial runtime knob (Serve user_config), e.g. max_num_batched_tokens=1024; repeatable")
     p.add_argument("--controller", action="store_true",
                    help="run the fleet controller: re-tunes max_num_batched_tokens and elastic lending from stats")
     p.add_argument("--controller-interval", type=float, default=5.0, help="seconds between controller rounds")
+    add_engine_arguments(p.add_argument_group(
+        "engine", "EngineConfig settings of every replica (replicas/config.py); left out: the engine's default"))
     p.set_defaults(func=run_serve)
     return p
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kw = {"elastic": args.elastic, "load_format": args.load_format}
-    if args.allow_random_drafter:
-        kw["allow_random_drafter"] = True
-    if args.enforce_eager:
-        kw["enforce_eager"] = True
-    optional = {"reserve_blocks": args.reserve_blocks, "speculative": args.speculative, "drafter": args.drafter,
-                "spec_budget": args.spec_budget, "gpu_memory_utilization": args.gpu_memory_utilization,
-                "dtype": args.dtype, "mixed_graph_tokens": args.mixed_graph_tokens}
-    kw.update({k: v for k, v in optional.items() if v is not None})
-    return kw
 
 
 def _knobs(pairs: list[str]) -> dict | None:
@@ -124,30 +92,39 @@ def _knobs(pairs: list[str]) -> dict | None:
     return knobs or None
 
 
+def serve_app_args(args: argparse.Namespace):
+    """The Serve app's args from `tidal serve`'s flags: the engine flags as `engine_kwargs`, the device resolved
+    on this machine when it starts the cluster (a joined cluster resolves "auto" from its own GPUs). ValueError
+    (pydantic's ValidationError is one) for a bad value."""
+    from cluster.app import AppArgs      # imports Ray Serve: not for `tidal --help`
+
+    engine = engine_kwargs_from_args(args)
+    if engine.get("device", "auto") == "auto" and not os.environ.get("RAY_ADDRESS"):
+        engine["device"] = resolve_device("auto").type
+    device = engine.get("device", "auto")
+    tp = EngineConfig.from_flat(**engine).tensor_parallel_size
+    cpus_per_rank = max(1, (os.cpu_count() or 1) // (args.replicas * tp)) if device == "cpu" else 1
+    return AppArgs(served_model_name=args.served_model_name, num_replicas=args.replicas, api_key=args.api_key,
+                   cpus_per_rank=cpus_per_rank, max_ongoing_requests=args.max_ongoing_requests,
+                   max_queued_requests=args.max_queued_requests, engine_kwargs=engine, knobs=_knobs(args.knob))
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import AppArgs, build_app
+    from cluster.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    device = args.device
-    if device == "auto" and not os.environ.get("RAY_ADDRESS"):
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    ranks = args.replicas * args.tp
-    cpus_per_rank = max(1, (os.cpu_count() or 1) // ranks) if device == "cpu" else 1
     try:
-        app_args = AppArgs(model=args.model, served_model_name=args.served_model_name,
-                           tensor_parallel_size=args.tp, num_replicas=args.replicas, device=device,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                           max_model_len=args.max_model_len, api_key=args.api_key, cpus_per_rank=cpus_per_rank,
-                           max_ongoing_requests=args.max_ongoing_requests,
-                           max_queued_requests=args.max_queued_requests,
-                           engine_kwargs=_engine_kwargs(args), knobs=_knobs(args.knob))
+        app_args = serve_app_args(args)
     except (ValidationError, ValueError) as e:
         print(f"tidal serve: bad arguments:\n{e}", file=sys.stderr)
         return 2
+    config = EngineConfig.from_flat(**app_args.engine_kwargs)
+    device, tp = config.device, config.tensor_parallel_size
+    ranks = args.replicas * tp
+    cpus_per_rank = app_args.cpus_per_rank
 
     stop = threading.Event()
     serving = threading.Event()
@@ -187,7 +164,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for replica_url in replica_urls(APP_NAME, args.host):
             print(f"tidal: replica direct ingress at {replica_url}/v1", flush=True)
         front = "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Serve proxy"
-        print(f"tidal: serving {model} at {url}/v1 ({front}; {args.replicas} replica(s) x TP{args.tp} on {device}"
+        print(f"tidal: serving {model} at {url}/v1 ({front}; {args.replicas} replica(s) x TP{tp} on {device}"
               f"{metrics}, Ray at {ray.get_runtime_context().gcs_address}); Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             pass

@@ -2,8 +2,8 @@
 prefill that needs it.
 
 Two halves. `RankKV` (memory/rank_kv.py) lives on every TP rank and owns that rank's KV memory (a
-`VmmKVPool` on CUDA, a `LogicalReserve` elsewhere); it applies `KVAction`s. `ElasticKV` lives on rank 0 beside the scheduler:
-the policy and the block-level protocol; it sends each action to every rank through `dispatch`
+`VmmKVPool` on CUDA, a `LogicalReserve` elsewhere); it applies `KVAction`s. `ElasticKV` lives on rank 0 beside the
+scheduler: the policy and the block-level protocol; it sends each action to every rank through `dispatch`
 (with TP: `runner.call_all("apply_kv_action", action)`, one control broadcast, only on steps that act).
 
 Modes: "off" (reserve never lent), "elastic", "static" (reserve committed at start for good: the unsafe
@@ -199,8 +199,8 @@ def attach_elastic(engine, mode: str, policy: Optional[ElasticPolicy] = None, **
     runner.capture_graphs(verify)
     if runner.graphs is not None:
         rank.before_unmap.append(runner.graphs.block_tables.zero_)
-    bm = BlockManager(rank.num_base, rank.num_reserve, engine.config.block_size,
-                      engine.config.enable_prefix_caching)
+    bm = BlockManager(rank.num_base, rank.num_reserve, engine.config.cache.block_size,
+                      engine.config.cache.enable_prefix_caching)
     engine.block_manager = engine.scheduler.block_manager = bm
     engine.rank_kv = rank
     policy = policy or ElasticPolicy(rank.lend_step_tokens)

@@ -137,7 +137,7 @@ def build_rank_kv(runner, mode: str, num_base_blocks: Optional[int] = None, num_
     the caches. Block counts default to measured sizing on CUDA; on CPU they must be given."""
     if mode not in MODES:
         raise ValueError(f"elastic mode must be one of {MODES}, got {mode!r}")
-    cfg, mc = runner.config, runner.model_config
+    cfg, mc = runner.config.scheduling, runner.model_config
     layers = mc.num_hidden_layers
     block_shape = (2, runner.block_size, mc.num_key_value_heads // runner.world_size, mc.head_dim)
     lend_tokens = lend_step_tokens or default_lend_step_tokens(cfg.max_num_batched_tokens, cfg.max_num_seqs)

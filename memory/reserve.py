@@ -81,7 +81,7 @@ def measure_step_memory(runner: KVHost, num_tokens: int, num_rows: int) -> StepM
 
 def profile_reserve(runner: KVHost, lend_step_tokens: int | None = None) -> ReserveSizing:
     """Measure the full step and the largest lent step on this rank (before its KV pool exists)."""
-    cfg = runner.config
+    cfg = runner.config.scheduling
     n = cfg.max_num_batched_tokens
     lend_tokens = lend_step_tokens or default_lend_step_tokens(n, cfg.max_num_seqs)
     peak = runner.profile_peak_activation_bytes()
@@ -102,7 +102,7 @@ def plan_kv_blocks(runner: KVHost, sizing: ReserveSizing, slack_bytes: int | Non
     headroom and `slack_bytes` (default: what gpu_memory_utilization leaves free)."""
     free, total = torch.cuda.mem_get_info(runner.device)
     if slack_bytes is None:
-        slack_bytes = int(total * (1.0 - runner.config.gpu_memory_utilization))
+        slack_bytes = int(total * (1.0 - runner.config.cache.gpu_memory_utilization))
     base = (free - slack_bytes - sizing.headroom_bytes) // sizing.kv_block_bytes
     if base < 2:
         raise RuntimeError(f"not enough memory for the KV cache ({base} blocks) after a {sizing.headroom_bytes}"

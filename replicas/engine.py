@@ -57,26 +57,26 @@ class LLMEngine:
         self.runner.init_kv()
         kv = self.runner.kv
         num_blocks = self.runner.num_kv_blocks
-        reserve = kv.num_reserve if kv is not None else min(config.reserve_blocks, num_blocks - 1)
-        self.block_manager = BlockManager(num_blocks - reserve, reserve, config.block_size,
-                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len)
+        reserve = kv.num_reserve if kv is not None else min(config.elastic.reserve_blocks, num_blocks - 1)
+        self.block_manager = BlockManager(num_blocks - reserve, reserve, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.scheduling.max_num_batched_tokens,
+                                   config.scheduling.max_num_seqs, self.max_model_len)
         self.elastic = None
         if kv is not None:
             from memory.elastic import ElasticKV, ElasticPolicy
-            self.elastic = ElasticKV(config.elastic, self.block_manager, self.scheduler,
+            self.elastic = ElasticKV(config.elastic.mode, self.block_manager, self.scheduler,
                                      partial(self.runner.call_all, "apply_kv_action"),
                                      ElasticPolicy(kv.lend_step_tokens), kv.reserve_bytes, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self.coalescer = StreamCoalescer(config.stream_item_ms / 1e3)
+        self.coalescer = StreamCoalescer((config.serving.stream_item_ms or 0.0) / 1e3)
         self.stats = EngineStats(kv_blocks_total=num_blocks - reserve)
         self.finished_timings: list[RequestTimings] = []
         self._rng = random.Random(config.seed)
         self.speculator: Optional[Proposer] = None
         self.verifier: Optional[Verifier] = None
-        if config.speculative is not None:
+        if config.speculative.method is not None:
             self.speculator, self.verifier = load_speculation(config, self.model_config, self.runner, self.sampler,
                                                               self.eos_token_ids)
         self.speculation = self.speculator is not None
@@ -141,7 +141,8 @@ class LLMEngine:
         drafted = [i for i in range(len(batch.seqs)) if batch.num_drafts(i)]
         proposal = spec.propose([batch.seqs[i] for i in drafted], batch.num_drafts(drafted[0])) if drafted else None
         trees = dict(zip(drafted, proposal.rows)) if drafted else None
-        step = StepInput.from_batch(batch, self.config.block_size, trees, spec.aux_layers if spec is not None else ())
+        step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
+                                    spec.aux_layers if spec is not None else ())
         logits = self.runner.execute(step)
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted) if drafted else ([], [])
@@ -252,7 +253,7 @@ class LLMEngine:
         for d, c in enumerate(per_depth):
             by_pos[d] += c
 
-        bs = self.config.block_size
+        bs = self.config.cache.block_size
         src, dst = [], []
         kept: list[tuple[Sequence, int, int, np.ndarray]] = []
         for b, seq in enumerate(seqs):
@@ -317,8 +318,9 @@ class LLMEngine:
         """Runtime knobs, applied between steps. Returns the settings now in force."""
         if max_num_batched_tokens is not None:
             n = int(max_num_batched_tokens)
-            if self.runner.device.type == "cuda" and n > self.config.max_num_batched_tokens:
-                raise ValueError(f"max_num_batched_tokens={n} is above the {self.config.max_num_batched_tokens} "
+            configured = self.config.scheduling.max_num_batched_tokens
+            if self.runner.device.type == "cuda" and n > configured:
+                raise ValueError(f"max_num_batched_tokens={n} is above the {configured} "
                                  "whose activation peak this engine reserved memory for")
             self.scheduler.set_budget(n)
         if elastic is not None:

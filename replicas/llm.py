@@ -1,8 +1,9 @@
 """Offline API: `LLM().generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import inspect
 import itertools
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
 
@@ -12,9 +13,14 @@ from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
 
 
+def llm_engine_config(model: Optional[str] = None, **engine_kwargs: Any) -> EngineConfig:
+    """The EngineConfig `LLM(model, **engine_kwargs)` runs: its keywords are EngineConfig's flat names."""
+    return EngineConfig.from_flat(model=model, **engine_kwargs)
+
+
 class LLM:
-    def __init__(self, model: Optional[str] = None, tensor_parallel_size: int = 1, **engine_kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tensor_parallel_size, **engine_kwargs))
+    def __init__(self, model: Optional[str] = None, **engine_kwargs: Any):
+        self.engine = LLMEngine(llm_engine_config(model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -52,3 +58,17 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _keyword_signature() -> inspect.Signature:
+    """LLM(...)'s keywords as EngineConfig declares them (for help(LLM) and editors): `model` first, positional."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for s in EngineConfig.settings():
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if s.flat == "model" else inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(s.flat, kind, default=s.default))
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _keyword_signature()
+LLM.__init__.__doc__ = "Keywords (EngineConfig's flat names; replicas/config.py):\n" + "\n".join(
+    f"  {s.flat}: {s.help}" for s in EngineConfig.settings())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from replicas.attention.context import ForwardContext, forward_context
 from replicas.attention.spec import AttentionBatch
 from replicas.config import EngineConfig, ModelConfig
+from replicas.device import resolve_device, resolve_dtype
 from replicas.distributed.communicator import GlooCommunicator, NcclCommunicator, SingleCommunicator
 from replicas.distributed.parallel_state import set_tp_group
 from replicas.models import model_class
@@ -26,32 +27,17 @@ from replicas.transfer import to_device
 log = logging.getLogger(__name__)
 
 
-def resolve_device(config: EngineConfig, device_index: int | None) -> torch.device:
-    kind = config.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        return torch.device("cuda", device_index if device_index is not None else 0)
-    return torch.device("cpu")
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None,
                  device_index: int | None = None, checkpoint=None):
         from replicas.loaders import load_checkpoint
 
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.device = resolve_device(config, device_index if device_index is not None
+        self.device = resolve_device(config.device, device_index if device_index is not None
                                      else (rank if world_size > 1 else None))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self._init_distributed(init_method)
         checkpoint = checkpoint or load_checkpoint(config.model, config.load_format)
         self.model_config: ModelConfig = checkpoint.model_config
@@ -69,8 +55,9 @@ class ModelRunner:
             self.model.load_weights(checkpoint.weights())
         self.model.eval()
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.block_size = config.block_size
+        self.max_model_len = min(config.scheduling.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.block_size = config.cache.block_size
         self.kv_caches: list[torch.Tensor] = []       # one view per attention layer
         self.kv_storages: list[torch.Tensor] = []     # the range tensors under them
         self.kv = None                       # memory.rank_kv.RankKV when elastic KV is on
@@ -152,7 +139,7 @@ class ModelRunner:
         """Size and create the KV cache (plain tensors, or VMM ranges with a reserve for elastic KV), then
         capture the decode graphs over it. Collective: every rank calls it at start-up."""
         cfg = self.config
-        if cfg.elastic == "off":
+        if cfg.elastic.mode == "off":
             self.num_kv_blocks = self.num_kv_blocks_for_budget()
             self.allocate_kv_cache(self.num_kv_blocks)
         else:
@@ -160,9 +147,9 @@ class ModelRunner:
             counts = {}
             if self.device.type != "cuda":
                 n = self.num_kv_blocks_for_budget()
-                reserve = min(cfg.reserve_blocks, n - 1)
+                reserve = min(cfg.elastic.reserve_blocks, n - 1)
                 counts = dict(num_base_blocks=n - reserve, num_reserve_blocks=reserve)
-            self.kv = build_rank_kv(self, cfg.elastic, **counts)
+            self.kv = build_rank_kv(self, cfg.elastic.mode, **counts)
             self.num_kv_blocks = self.kv.num_base + self.kv.num_reserve
         self.capture_graphs()
 
@@ -173,18 +160,19 @@ class ModelRunner:
     def capture_graphs(self, verify_shapes: Iterable[tuple[int, int]] = ()) -> None:
         """After the KV tensors exist (their addresses never change afterwards); again after `release_graphs`
         when they were rebuilt, with the verify graphs the released ones had."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
+        if self.device.type != "cuda" or self.config.graphs.enforce_eager or self.backend.name != "triton":
             return
         from replicas.cuda_graphs import StepGraphs, graph_batch_sizes
         from replicas.layers.gemm_select import tune_linear_layers
 
         if self.gemm_table is None:          # once, before the first capture: the graphs bake the choice in
-            self.gemm_table = tune_linear_layers(self.model, graph_batch_sizes(self.config.max_num_seqs),
-                                                 self.device) or {}
-        cfg = self.config
+            self.gemm_table = tune_linear_layers(
+                self.model, graph_batch_sizes(self.config.scheduling.max_num_seqs), self.device) or {}
+        sched = self.config.scheduling
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        self.graphs = StepGraphs(self.model, self.device, cfg.max_num_seqs, -(-self.max_model_len // self.block_size),
-                                   self.max_model_len, min(cfg.mixed_graph_tokens, cfg.max_num_batched_tokens))
+        self.graphs = StepGraphs(self.model, self.device, sched.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                 self.max_model_len,
+                                 min(self.config.graphs.mixed_graph_tokens, sched.max_num_batched_tokens))
         self.graphs.capture()
         if self.graph_aux_layers:
             self.graphs.capture(self.graph_aux_layers)
@@ -210,14 +198,14 @@ class ModelRunner:
 
     def num_kv_blocks_for_budget(self) -> int:
         """Blocks that fit: the configured count, the CPU byte budget, or GPU memory after a profiled peak."""
-        if self.config.num_kv_blocks is not None:
-            n = self.config.num_kv_blocks
+        if self.config.cache.num_kv_blocks is not None:
+            n = self.config.cache.num_kv_blocks
         elif self.device.type == "cpu":
-            n = self.config.kv_cache_bytes // self.kv_block_bytes()
+            n = self.config.cache.kv_cache_bytes // self.kv_block_bytes()
         else:
             peak = self.profile_peak_activation_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free) - peak
+            budget = total * self.config.cache.gpu_memory_utilization - (total - free) - peak
             n = int(budget // self.kv_block_bytes())
         if self.world_size > 1:
             t = torch.tensor([n])
@@ -236,13 +224,13 @@ class ModelRunner:
         self.allocate_kv_cache(1)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.config.max_num_batched_tokens
-        rows = min(self.config.max_num_seqs, n)
+        n = self.config.scheduling.max_num_batched_tokens
+        rows = min(self.config.scheduling.max_num_seqs, n)
         seq_len = -(-n // rows)
         lens = [min(seq_len, n - i * seq_len) for i in range(rows) if n - i * seq_len > 0]
         qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         step = StepInput(
-            input_ids=np.zeros(n, np.int64), positions=np.concatenate([np.arange(l) for l in lens]),
+            input_ids=np.zeros(n, np.int64), positions=np.concatenate([np.arange(k) for k in lens]),
             slot_mapping=np.full(n, -1, np.int64), query_start_loc=qsl, seq_lens=np.asarray(lens, np.int32),
             block_tables=np.zeros((len(lens), -(-seq_len // self.block_size)), np.int32),
             sample_indices=qsl[1:].astype(np.int64) - 1)

@@ -72,7 +72,7 @@ def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_
                            context_len: int = 256, warmup: int = 2, iters: int = 5) -> VerifyProfile:
     """Timed verify forwards (through a CUDA graph where the runner has one) and draft rounds; a (batch, nodes)
     whose step exceeds the scheduler's token budget (it never runs) is left out."""
-    cfg = runner.config
+    cfg = runner.config.scheduling
     context_len = min(context_len, runner.max_model_len - 1 - max(node_counts, default=0))
     hidden = runner.model_config.hidden_size
     aux = [torch.zeros(context_len, hidden, dtype=runner.dtype, device=runner.device) for _ in speculator.aux_layers]
@@ -137,7 +137,7 @@ def draft_round(speculator, batch: int, nodes: int, aux, context_len: int):
 
 def _candidate_shapes(runner, budgets: Sequence[int]) -> set[tuple[int, int]]:
     """(bucket, nodes) verify graphs worth having for these budgets: within VERIFY_GRAPH_TOKENS and the token budget."""
-    cfg, graphs = runner.config, runner.graphs
+    cfg, graphs = runner.config.scheduling, runner.graphs
     limit = min(VERIFY_GRAPH_TOKENS, cfg.max_num_batched_tokens)
     return {(b, n) for b in graphs.sizes for n in budgets if n > 0 and b * (1 + n) <= limit}
 
@@ -148,7 +148,7 @@ def keep_verify_graphs(runner, speculator) -> None:
     if graphs is None:
         return
     want = set()
-    for b in range(1, min(runner.config.max_num_seqs, graphs.sizes[-1]) + 1):
+    for b in range(1, min(runner.config.scheduling.max_num_seqs, graphs.sizes[-1]) + 1):
         n = speculator.budget(b) if policy is not None else 0
         if n:
             want.add((graphs.bucket(b), n))
@@ -165,7 +165,7 @@ def measured_budget_policy(runner, speculator) -> BudgetPolicy:
     the configured maximum, its half and its quarter (verify steps graphed where they will be)."""
     top = speculator.max_budget
     budgets = sorted({n for n in (top, top // 2, top // 4) if n > 0})
-    most = runner.config.max_num_seqs
+    most = runner.config.scheduling.max_num_seqs
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= most] + ([most] if most < 64 else [])
     if runner.graphs is not None:
         runner.graphs.capture_verify(speculator.aux_layers, _candidate_shapes(runner, budgets))

@@ -80,16 +80,16 @@ class Speculator:
 
     @staticmethod
     def create(config: EngineConfig, model_config: ModelConfig, runner) -> "Speculator":
-        if config.speculative not in METHODS:
-            raise ValueError(f"speculative={config.speculative!r}: choose one of {sorted(METHODS)}")
+        if config.speculative.method not in METHODS:
+            raise ValueError(f"speculative={config.speculative.method!r}: choose one of {sorted(METHODS)}")
         if runner.world_size > 1:
             raise ValueError("speculative decoding needs tensor_parallel_size=1 (the drafter reads the full "
                              "embedding and LM head on rank 0)")
         from speculative.drafters import bundled_drafter
-        path = config.drafter or bundled_drafter(model_config)
+        path = config.speculative.drafter or bundled_drafter(model_config)
         if path is not None:
             drafter = DominoDrafter.load(path, runner.device, runner.dtype)
-        elif config.allow_random_drafter:
+        elif config.speculative.allow_random_drafter:
             torch.manual_seed(config.seed)
             drafter = DominoDrafter(DrafterConfig.for_target(model_config)).to(runner.device, runner.dtype)
         else:
@@ -98,8 +98,9 @@ class Speculator:
         if drafter.cfg.vocab_size != model_config.vocab_size or drafter.cfg.hidden_size != model_config.hidden_size:
             raise ValueError("the drafter was trained for another target (vocab or hidden size differs)")
         model = runner.model
-        spec = Speculator(drafter, config.speculative, config.spec_budget, model.model.embed_tokens.weight,
-                          model.lm_head.weight, model_config.vocab_size, config.max_num_seqs)
+        spec = Speculator(drafter, config.speculative.method, config.speculative.budget,
+                          model.model.embed_tokens.weight, model.lm_head.weight, model_config.vocab_size,
+                          config.scheduling.max_num_seqs)
         runner.capture_aux_graphs(spec.aux_layers)          # CUDA only: plain decode steps stay graphed
         if runner.device.type == "cuda" and spec.max_budget > 0:
             from speculative.profile import measured_budget_policy

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
-
 from bench.serve_overhead import direct_config, main, over_repeats, serve_flags
-from cluster.app import AppArgs, engine_config
-from cluster.serve_cmd import _engine_kwargs, add_serve_parser
+from cluster.app import engine_config
+from cluster.serve_cmd import add_serve_parser, serve_app_args
 
 
 def test_direct_engine_config_is_what_tidal_serve_builds():
@@ -17,20 +15,16 @@ def test_direct_engine_config_is_what_tidal_serve_builds():
     add_serve_parser(parser.add_subparsers())
     for model in (None, "/models/some.gguf"):
         ns = parser.parse_args(["serve", *serve_flags(model, args)])
-        served = engine_config(AppArgs(model=ns.model, tensor_parallel_size=ns.tp, num_replicas=ns.replicas,
-                                       device=ns.device, max_num_batched_tokens=ns.max_num_batched_tokens,
-                                       max_num_seqs=ns.max_num_seqs, max_model_len=ns.max_model_len,
-                                       engine_kwargs=_engine_kwargs(ns)))
+        served = engine_config(serve_app_args(ns))
         assert served == direct_config(model, args)
         assert ns.knob == [] and not ns.controller       # no runtime knob differs from the direct engine
     # on a GPU the two engines share it: only their memory shares differ
     gpu = argparse.Namespace(device="cuda", load_format="auto", ingress="auto")
     ns = parser.parse_args(["serve", *serve_flags(None, gpu)])
-    served = engine_config(AppArgs(model=None, tensor_parallel_size=ns.tp, num_replicas=ns.replicas, device="cuda",
-                                   engine_kwargs=_engine_kwargs(ns)))
+    served = engine_config(serve_app_args(ns))
     direct = direct_config(None, gpu)
-    assert served.gpu_memory_utilization + direct.gpu_memory_utilization > 0.85
-    assert replace(served, gpu_memory_utilization=direct.gpu_memory_utilization) == direct
+    assert served.cache.gpu_memory_utilization + direct.cache.gpu_memory_utilization > 0.85
+    assert served.with_(gpu_memory_utilization=direct.cache.gpu_memory_utilization) == direct
 
 
 def test_serve_overhead_cpu_smoke(tmp_path, capsys):
@@ -55,7 +49,8 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
             assert r["output_tok_s"] > 0
     assert res["added_median_ttft_ms_c1"] == (res["serve"]["idle"]["ttft_ms"]["median"]
                                               - res["direct"]["idle"]["ttft_ms"]["median"])
-    assert res["throughput_ratio_64"] == res["serve"]["loaded"]["output_tok_s"] / res["direct"]["loaded"]["output_tok_s"]
+    assert res["throughput_ratio_64"] == \
+        res["serve"]["loaded"]["output_tok_s"] / res["direct"]["loaded"]["output_tok_s"]
     # the replica's own port (Serve's direct ingress, which tidal serve turns on): the same requests, all served
     replica = res["replica_direct_ingress"]
     assert [replica["serve"][lv]["output_tokens"] for lv in ("idle", "loaded")] == [2 * 4, 4 * 4]

@@ -41,8 +41,8 @@ class LocalFleet:
         self.engines = engines
 
     def views(self):
-        return [ReplicaView(f"r{i}", replace(e.get_stats()), e.config.max_num_batched_tokens, e.elastic is not None)
-                for i, e in enumerate(self.engines)]
+        return [ReplicaView(f"r{i}", replace(e.get_stats()), e.config.scheduling.max_num_batched_tokens,
+                            e.elastic is not None) for i, e in enumerate(self.engines)]
 
     def apply(self, decisions):
         for rid, ds in decisions.items():

@@ -173,9 +173,9 @@ def synthetic_cluster():
 
     ray_port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    driver = subprocess.Popen([sys.executable, "-m", "tests.cluster.test_metrics_prometheus", "ray-driver", str(ray_port)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              env=env, cwd=REPO)
+    driver = subprocess.Popen([sys.executable, "-m", "tests.cluster.test_metrics_prometheus", "ray-driver",
+                               str(ray_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
     engine, lock = SyntheticEngine(), threading.Lock()
 
     def standalone_stats():

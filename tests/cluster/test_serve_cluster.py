@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
@@ -21,7 +20,6 @@ from tests.support.checkpoints import make_tiny_llama
 from tests.support import REPO
 
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
-import cluster.replica as replica_module
 from cluster.replica import EngineReplica
 from replicas import LLM, EngineConfig, SamplingParams
 from replicas.loaders import load_checkpoint
@@ -219,7 +217,7 @@ def test_knobs_from_user_config_and_controller_broadcast(tiny_llama):
 
 @pytest.fixture(scope="module")
 def replica(tiny_llama):
-    r = EngineReplica(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
+    r = EngineReplica(EngineConfig.from_flat(model=tiny_llama, device="cpu", num_kv_blocks=64))
     yield r
     r.__del__()
 
@@ -256,18 +254,19 @@ def test_replica_streams_start_then_deltas(replica):
 
 
 def test_replica_engine_runs_the_item_budget_without_losing_tokens(tiny_llama, monkeypatch):
-    """The replica's engine runs its stream-item budget (cluster.replica.STREAM_ITEM_MS, here a minute per other
-    stream): with another stream in flight a stream's steps arrive as fewer, larger frames, with exactly the tokens
-    and finish reason of a lone stream (the engine side: tests/test_stream_batches.py)."""
-    monkeypatch.setattr(replica_module, "STREAM_ITEM_MS", 60_000.0)
-    r = EngineReplica(EngineConfig(model=tiny_llama, device="cpu", num_kv_blocks=64))
+    """The replica's engine runs its stream-item budget (the config's stream_item_ms; unset there,
+    $TIDAL_STREAM_ITEM_MS, here a minute per other stream): with another stream in flight a stream's steps arrive
+    as fewer, larger frames, with exactly the tokens and finish reason of a lone stream (the engine side:
+    tests/replicas/test_stream_batches.py)."""
+    monkeypatch.setenv("TIDAL_STREAM_ITEM_MS", "60000")
+    r = EngineReplica(EngineConfig.from_flat(model=tiny_llama, device="cpu", num_kv_blocks=64))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     async def pair():
         return await asyncio.gather(*(frames_of(r, GenerationJob(f"pace-{i}", params, prompt=[5, 6, 7]))
                                       for i in range(2)))
     try:
-        assert r.engine.config.stream_item_ms == 60_000.0
+        assert r.engine.config.serving.stream_item_ms == 60_000.0
         alone = run_job(r, GenerationJob("pace-alone", params, prompt=[5, 6, 7]))
         paced = asyncio.run(pair())
     finally:

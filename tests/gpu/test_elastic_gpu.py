@@ -17,13 +17,14 @@ import torch
 
 from memory.elastic import ElasticPolicy, attach_elastic
 from replicas import SamplingParams
+from replicas import envs
 from replicas.config import EngineConfig
 from replicas.engine import LLMEngine
 from tests.support import REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-CYCLES = int(os.environ.get("TIDAL_ELASTIC_CYCLES", "10000"))
+CYCLES = envs.elastic_cycles()
 QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
              "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
              "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
@@ -51,8 +52,8 @@ def test_ten_thousand_cycles_under_live_load(tiny):
     transformers = pytest.importorskip("transformers")
     from tests.support.greedy import compare_greedy
 
-    cfg = EngineConfig(model=tiny, dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=32,
-                       max_model_len=512, max_num_batched_tokens=1024, enable_prefix_caching=True)
+    cfg = EngineConfig.from_flat(model=tiny, dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=32,
+                                 max_model_len=512, max_num_batched_tokens=1024, enable_prefix_caching=True)
     engine = LLMEngine(cfg)
     elastic = attach_elastic(engine, "elastic", ElasticPolicy(40, lend_after_steps=1, min_lend_steps=0),
                              num_base_blocks=256, num_reserve_blocks=128)
@@ -126,8 +127,8 @@ def burst_main(mode: str) -> None:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(QWEN3_06B, f)
     budget, lend_tokens, slack = 32768, 4096, 128 << 20
-    engine = LLMEngine(EngineConfig(model=folder, load_format="dummy", num_kv_blocks=64, max_num_seqs=32,
-                                    max_num_batched_tokens=budget, max_model_len=budget, block_size=16))
+    engine = LLMEngine(EngineConfig.from_flat(model=folder, load_format="dummy", num_kv_blocks=64, max_num_seqs=32,
+                                              max_num_batched_tokens=budget, max_model_len=budget, block_size=16))
     free, _ = torch.cuda.mem_get_info()
     ballast = torch.empty(max(0, free - (8 << 30)), dtype=torch.uint8, device="cuda")    # noqa: F841
     elastic = attach_elastic(engine, mode, ElasticPolicy(lend_tokens, lend_after_steps=1, min_lend_steps=0),
@@ -137,7 +138,7 @@ def burst_main(mode: str) -> None:
               "reserve_blocks": bm.num_reserve, "reserve_bytes": rank.reserve_bytes,
               "headroom_bytes": rank.sizing.headroom_bytes, "sizing": rank.sizing.to_dict()}
     if mode == "elastic":       # the first real full prefill with the reserve returned: the margin it needs
-        first = measure_step_memory(engine.runner, budget, engine.config.max_num_seqs)
+        first = measure_step_memory(engine.runner, budget, engine.config.scheduling.max_num_seqs)
         result["first_prefill_reserved_bytes"] = first.reserved_peak
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, detokenize=False)

@@ -170,7 +170,9 @@ def test_prefix_hits_in_the_reserve_are_evicted_at_reclaim(tiny):
     rng = random.Random(1)
     long_prompt = [rng.randrange(3, vocab) for _ in range(100)]
     short = [rng.randrange(3, vocab) for _ in range(40)]                  # 2 cacheable full blocks
-    p = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    def p(n):
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     engine = elastic_engine(folder, base=8, reserve=8, lend_step_tokens=48, max_num_seqs=4)
     Guard(engine)
     bm, elastic = engine.block_manager, engine.elastic

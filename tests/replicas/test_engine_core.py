@@ -21,7 +21,7 @@ def collect(engine, prompt, params, rid):
 
 
 def test_errors_and_calls_cross_the_pipe(model):
-    engine = AsyncLLMEngine(EngineConfig(model=model, device="cpu", max_model_len=64))
+    engine = AsyncLLMEngine(EngineConfig.from_flat(model=model, device="cpu", max_model_len=64))
     try:
         with pytest.raises(RequestError) as e:
             collect(engine, list(range(3, 100)), SamplingParams(max_tokens=4), "too-long")

@@ -82,7 +82,7 @@ def test_prompt_logits_match_hf(llm, prompts, hf_model):
         seq = Sequence("logits", 0, ids, GREEDY, 0, 0.0)
         engine.block_manager.allocate(seq, len(ids))
         step = StepInput.from_batch(type("B", (), {"seqs": [seq], "num_new_tokens": [len(ids)],
-                                                   "samples": lambda self, i: True})(), engine.config.block_size)
+                                                   "samples": lambda self, i: True})(), engine.config.cache.block_size)
         step.sample_indices = torch.arange(len(ids)).numpy()
         ours = engine.runner.execute(step)
         engine.block_manager.free(seq)
@@ -119,7 +119,7 @@ def test_chunked_prefill_with_16_token_budget(llm, prompts, baseline, hf_last_lo
 def test_forced_preemption(llm, prompts, baseline, hf_last_logits):
     engine = llm.engine
     old = engine.block_manager
-    small = BlockManager(24, 0, engine.config.block_size, enable_prefix_caching=True)
+    small = BlockManager(24, 0, engine.config.cache.block_size, enable_prefix_caching=True)
     engine.block_manager = engine.scheduler.block_manager = small
     before = engine.scheduler.num_preemptions
     try:

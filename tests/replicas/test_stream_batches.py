@@ -65,7 +65,7 @@ def test_item_budget_merges_outputs_without_delaying_the_first_or_last(tmp_path)
         per_step_pair = asyncio.run(run(engine, 2))        # the same batches, an output per step
     finally:
         engine.shutdown()
-    engine = AsyncLLMEngine(EngineConfig(model=model, device="cpu", stream_item_ms=600_000.0))
+    engine = AsyncLLMEngine(EngineConfig.from_flat(model=model, device="cpu", stream_item_ms=600_000.0))
     try:
         merged_pair = asyncio.run(run(engine, 2))
         (alone,) = asyncio.run(run(engine, 1))             # a lone stream: every step, whatever the budget

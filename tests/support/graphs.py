@@ -45,9 +45,9 @@ class EagerReplayGraphs(StepGraphs):
 def install_graphs(llm):
     runner = llm.engine.runner
     cfg = llm.engine.config
-    runner.graphs = EagerReplayGraphs(runner.backend, runner.model, runner.device, cfg.max_num_seqs,
+    runner.graphs = EagerReplayGraphs(runner.backend, runner.model, runner.device, cfg.scheduling.max_num_seqs,
                                       -(-runner.max_model_len // runner.block_size), runner.max_model_len,
-                                      min(cfg.mixed_graph_tokens, cfg.max_num_batched_tokens))
+                                      min(cfg.graphs.mixed_graph_tokens, cfg.scheduling.max_num_batched_tokens))
     runner.graphs.capture()
     if llm.engine.speculator is not None:
         runner.capture_aux_graphs(llm.engine.speculator.aux_layers)
