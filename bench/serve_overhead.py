@@ -10,7 +10,7 @@ every repeat), so no measured prompt finds an earlier one in its engine's prefix
 SamplingParams from the same /v1/completions body (`CompletionRequest.sampling_params()`: detokenization
 included) and runs the EngineConfig that `tidal serve` builds from the same flags (1 replica, TP 1, elastic off,
 default knobs; on a GPU each side gets its share of the GPU's memory, see GPU_MEMORY_UTILIZATION), with the
-replica's stream-item budget (`EngineConfig.stream_item_ms`: both engines merge a request's outputs alike).
+replica's stream-item budget (`EngineConfig.serving.stream_item_ms`: both engines merge a request's outputs alike).
 Direct: AsyncLLMEngine in this process (its engine core in a child process, as in a replica); TTFT =
 `generate()` entered -> first output carrying a token id; tokens = the token ids streamed.
 Serve: `tidal serve --replicas 1 --tp 1` in a subprocess with its own local Ray cluster; POST /v1/completions,

@@ -12,8 +12,8 @@ Messages (replicas/engine_messages.py), one class per kind, pickled over the pip
                    Reply(call_id, ok, value) | CoreDied(traceback)
 The core answers each call (GetStats, DrainFinishedTimings, Reconfigure) with one Reply between two steps.
 A request's prompt ids travel with its first output only (the client keeps them for the later ones). With
-`EngineConfig.stream_item_ms` set, each of n requests reports at most every (n - 1) x that, an output carrying
-everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
+`EngineConfig.serving.stream_item_ms` set, each of n requests reports at most every (n - 1) x that, an output
+carrying everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A server streaming to many clients cannot use an output per request per step: that is one object per stream
 per engine step for the engine core to build and pickle and for the serving process to load and fan out, on
 the GIL its HTTP side needs. With an item budget set
-(`EngineConfig.stream_item_ms`; `tidal serve` sets it), each of n streaming requests reports only once
+(`EngineConfig.serving.stream_item_ms`; a Serve replica sets it), each of n streaming requests reports only once
 (n - 1) x the budget has passed since its last report: the serving process handles about one item per
 budget however many streams it serves, and a lone stream gets every step. A request that does not report
 simply keeps its new tokens and text: `Request.make_output` copies out everything since the previous
