@@ -21,7 +21,7 @@ from replicas.device import resolve_device, resolve_dtype
 from replicas.distributed.communicator import GlooCommunicator, NcclCommunicator, SingleCommunicator
 from replicas.distributed.parallel_state import set_tp_group
 from replicas.models import model_class
-from replicas.step_input import StepInput
+from replicas.step_input import StepInput, probe_step
 from replicas.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -224,24 +224,20 @@ class ModelRunner:
         self.allocate_kv_cache(1)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.config.scheduling.max_num_batched_tokens
-        rows = min(self.config.scheduling.max_num_seqs, n)
-        seq_len = -(-n // rows)
-        lens = [min(seq_len, n - i * seq_len) for i in range(rows) if n - i * seq_len > 0]
-        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        step = StepInput(
-            input_ids=np.zeros(n, np.int64), positions=np.concatenate([np.arange(k) for k in lens]),
-            slot_mapping=np.full(n, -1, np.int64), query_start_loc=qsl, seq_lens=np.asarray(lens, np.int32),
-            block_tables=np.zeros((len(lens), -(-seq_len // self.block_size)), np.int32),
-            sample_indices=qsl[1:].astype(np.int64) - 1)
-        logits = self.forward(step)
-        if logits is not None:
-            torch.softmax(logits.float(), -1).sort(-1)     # the sampler's worst case: sort for top-p
+        self.run_probe_step(self.config.scheduling.max_num_batched_tokens, self.config.scheduling.max_num_seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.release_kv_caches()
         torch.cuda.empty_cache()
         return int(peak)
+
+    @torch.inference_mode()
+    def run_probe_step(self, num_tokens: int, num_rows: int) -> None:
+        """One prefill-shaped step (step_input.probe_step: no K/V written, block 0 read), logits and the
+        sampler's worst case (a sort, for top-p) included: what memory profiling measures."""
+        logits = self.forward(probe_step(num_tokens, num_rows, self.block_size))
+        if logits is not None:
+            torch.softmax(logits.float(), -1).sort(-1)
 
     # ---- steps ------------------------------------------------------------------------------
     def _context(self, step: StepInput) -> ForwardContext:
