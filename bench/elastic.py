@@ -35,7 +35,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.shapes import SHAPES, write_shape  # noqa: E402
-from memory.elastic import ElasticPolicy, attach_elastic  # noqa: E402
 from memory.kv_layout import LAYERS_PER_RANGE, layers_per_range  # noqa: E402
 from memory.reserve import profile_reserve  # noqa: E402
 from memory.vmm import VmmKVPool, VmmLayout, allocation_granularity  # noqa: E402
@@ -200,18 +199,19 @@ def section_sizing(args, out: dict) -> None:
 
 
 # ---- engines under load --------------------------------------------------------------------------------
-def build(folder: str, mode: str, budget: int, args, policy=None):
-    engine = LLMEngine(EngineConfig.from_flat(model=folder, load_format="dummy", num_kv_blocks=64, seed=0,
-                                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                                              max_model_len=max(budget, 16384)))
-    attach_elastic(engine, mode, policy)
-    return engine
+def build(folder: str, mode: str, budget: int, args, **elastic_policy):
+    """An engine of the shape with elastic KV `mode` ("off": the plain engine, KV sized after the activation
+    peak); elastic_policy: EngineConfig's elastic_* settings."""
+    return LLMEngine(EngineConfig.from_flat(model=folder, load_format="dummy", seed=0, elastic=mode,
+                                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                                            max_model_len=max(budget, 16384), **elastic_policy))
 
 
 def teardown(engine) -> None:
     engine.runner.graphs = None
     engine.runner.release_kv_caches()
-    engine.rank_kv.close()
+    if engine.runner.kv is not None:
+        engine.runner.kv.close()
     engine.shutdown()
     release_memory()
 
@@ -257,17 +257,17 @@ def section_cycles(args, out: dict) -> None:
     arrivals = mixed_arrivals(shape["vocab_size"], args.cycle_steps)
     runs = {}
     for mode in ("off", "elastic"):
-        engine = build(folder, mode, args.budget, args, ElasticPolicy(256, lend_after_steps=1, min_lend_steps=0)
-                       if mode == "elastic" else None)
+        policy = dict(elastic_lend_step_tokens=256, elastic_lend_after_steps=1, elastic_min_lend_steps=0) \
+            if mode == "elastic" else {}
+        engine = build(folder, mode, args.budget, args, **policy)
         runs[mode] = replay(engine, arrivals, 20 * args.cycle_steps)
-        e = engine.elastic
         stats = engine.get_stats()
-        runs[mode].update(lends=e.lend_total, reclaims=e.reclaim_total, migrated=e.blocks_migrated,
-                          preempted=e.preemptions, lend_ms=ms_stats(stats.lend_latencies or [0.0]),
+        runs[mode].update(lends=stats.lend_total, reclaims=stats.reclaim_total, migrated=stats.blocks_migrated,
+                          preempted=stats.elastic_preemptions, lend_ms=ms_stats(stats.lend_latencies or [0.0]),
                           reclaim_ms=ms_stats(stats.reclaim_latencies or [0.0]),
                           base_blocks=engine.block_manager.num_base, reserve_blocks=engine.block_manager.num_reserve)
         teardown(engine)
-        del engine, e
+        del engine
         release_memory()            # the next engine must size itself from the same free memory
     stall = [runs["elastic"]["wait_steps"][r] - runs["off"]["wait_steps"][r]
              for r in runs["off"]["wait_steps"] if r in runs["elastic"]["wait_steps"]]
@@ -325,8 +325,8 @@ def section_negative(args, out: dict) -> None:
         bm = engine.block_manager
         rows.append({"mode": mode, "max_num_batched_tokens": budget, "kv_blocks": bm.num_base,
                      "kv_blocks_when_lent": bm.num_base + bm.num_reserve, "ttft_median_s": statistics.median(ttft),
-                     "ttft_p99_s": float(np.percentile(ttft, 99)), "lends": engine.elastic.lend_total,
-                     "reclaims": engine.elastic.reclaim_total})
+                     "ttft_p99_s": float(np.percentile(ttft, 99)), "lends": engine.get_stats().lend_total,
+                     "reclaims": engine.get_stats().reclaim_total})
         teardown(engine)
         del engine
         release_memory()

@@ -4,7 +4,8 @@ prefill that needs it.
 Two halves. `RankKV` (memory/rank_kv.py) lives on every TP rank and owns that rank's KV memory (a
 `VmmKVPool` on CUDA, a `LogicalReserve` elsewhere); it applies `KVAction`s. `ElasticKV` lives on rank 0 beside the
 scheduler: the policy and the block-level protocol; it sends each action to every rank through `dispatch`
-(with TP: `runner.call_all("apply_kv_action", action)`, one control broadcast, only on steps that act).
+(with TP: `runner.call_all("apply_kv_action", action)`, one control broadcast, only on steps that act). The
+engine builds both when its config asks for elastic KV (`EngineConfig.elastic`).
 
 Modes: "off" (reserve never lent), "elastic", "static" (reserve committed at start for good: the unsafe
 baseline that runs out of memory on a burst of large prefills).
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 
 from memory.block_manager import BlockManager
-from memory.rank_kv import LEND, MODES, RECLAIM, KVAction, build_rank_kv
+from memory.kv_host import ScheduleView
+from memory.rank_kv import LEND, MODES, RECLAIM, KVAction
 
 LATENCY_SAMPLES = 1024
 
@@ -66,7 +67,8 @@ class LendGate:
 class ElasticKV:
     """Rank 0: decides before each schedule whether to lend or reclaim, and runs the block-level protocol."""
 
-    def __init__(self, mode: str, block_manager: BlockManager, scheduler, dispatch: Callable[[KVAction], bool],
+    def __init__(self, mode: str, block_manager: BlockManager, scheduler: ScheduleView,
+                 dispatch: Callable[[KVAction], bool],
                  policy: ElasticPolicy, reserve_bytes: int, max_model_len: int):
         if mode not in MODES:
             raise ValueError(f"elastic mode must be one of {MODES}, got {mode!r}")
@@ -183,27 +185,3 @@ class ElasticKV:
         stats.blocks_migrated, stats.elastic_preemptions = self.blocks_migrated, self.preemptions
         stats.reserve_cache_evictions = self.cache_evictions
         stats.lend_latencies, stats.reclaim_latencies = list(self.lend_latencies), list(self.reclaim_latencies)
-
-
-def attach_elastic(engine, mode: str, policy: Optional[ElasticPolicy] = None, **build_kw) -> ElasticKV:
-    """Rebuild a fresh, idle TP=1 engine's KV memory for elastic KV (tests and benchmarks, until the engine
-    wires it natively). The caller then runs `elastic.before_schedule()` before each `engine.step()`."""
-    runner = engine.runner
-    assert runner.world_size == 1 and not engine.has_unfinished
-    verify = runner.release_graphs()
-    runner.release_kv_caches()
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-        torch.cuda.empty_cache()
-    rank = build_rank_kv(runner, mode, **build_kw)
-    runner.capture_graphs(verify)
-    if runner.graphs is not None:
-        rank.before_unmap.append(runner.graphs.block_tables.zero_)
-    bm = BlockManager(rank.num_base, rank.num_reserve, engine.config.cache.block_size,
-                      engine.config.cache.enable_prefix_caching)
-    engine.block_manager = engine.scheduler.block_manager = bm
-    engine.rank_kv = rank
-    policy = policy or ElasticPolicy(rank.lend_step_tokens)
-    engine.elastic = ElasticKV(mode, bm, engine.scheduler, rank.apply, policy, rank.reserve_bytes,
-                               engine.max_model_len)
-    return engine.elastic

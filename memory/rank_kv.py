@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from memory.kv_host import KVHost
 from memory.kv_layout import layer_views, layers_per_range
 from memory.reserve import ReserveSizing, default_lend_step_tokens, plan_kv_blocks, profile_reserve
 
@@ -130,9 +131,9 @@ class RankKV:
         self.memory.close()
 
 
-def build_rank_kv(runner, mode: str, num_base_blocks: Optional[int] = None, num_reserve_blocks: Optional[int] = None,
-                  lend_step_tokens: Optional[int] = None, slack_bytes: Optional[int] = None,
-                  release_after_map: bool = True) -> RankKV:
+def build_rank_kv(runner: KVHost, mode: str, num_base_blocks: Optional[int] = None,
+                  num_reserve_blocks: Optional[int] = None, lend_step_tokens: Optional[int] = None,
+                  slack_bytes: Optional[int] = None, release_after_map: bool = True) -> RankKV:
     """Every rank calls this in place of `runner.allocate_kv_cache(...)` (collectively when TP > 1) and binds
     the caches. Block counts default to measured sizing on CUDA; on CPU they must be given."""
     if mode not in MODES:

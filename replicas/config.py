@@ -199,8 +199,16 @@ class ElasticConfig(_Checked):
     mode: str = setting("off", "lend the prefill-activation reserve to the KV pool during decode "
                                "(docs/elastic-kv.md); static: the reserve kept apart (the baseline)",
                         flat="elastic", choices=("off", "elastic", "static"))
-    reserve_blocks: int = setting(0, "CPU only: size of the (logical) elastic reserve in KV blocks; GPUs size it "
-                                     "by profiling", minimum=0)
+    reserve_blocks: int = setting(0, "size of the elastic reserve in KV blocks: on CPU (a logical reserve), or "
+                                     "on a GPU together with --num-kv-blocks (default there: sized by profiling)",
+                                  minimum=0)
+    lend_step_tokens: Optional[int] = setting(None, "a step of more tokens than this takes the reserve back before "
+                                                    "it runs (default: a full decode batch or a short prompt)",
+                                              flat="elastic_lend_step_tokens", minimum=1)
+    lend_after_steps: int = setting(4, "consecutive steps with no large step ahead before the reserve is lent",
+                                    flat="elastic_lend_after_steps", minimum=0)
+    min_lend_steps: int = setting(16, "a lend reclaimed sooner than this many steps was thrash: the wait before "
+                                      "the next lend doubles", flat="elastic_min_lend_steps", minimum=0)
 
 
 @dataclass(frozen=True)

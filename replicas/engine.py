@@ -67,7 +67,9 @@ class LLMEngine:
             from memory.elastic import ElasticKV, ElasticPolicy
             self.elastic = ElasticKV(config.elastic.mode, self.block_manager, self.scheduler,
                                      partial(self.runner.call_all, "apply_kv_action"),
-                                     ElasticPolicy(kv.lend_step_tokens), kv.reserve_bytes, self.max_model_len)
+                                     ElasticPolicy(kv.lend_step_tokens, config.elastic.lend_after_steps,
+                                                   config.elastic.min_lend_steps),
+                                     kv.reserve_bytes, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.coalescer = StreamCoalescer((config.serving.stream_item_ms or 0.0) / 1e3)

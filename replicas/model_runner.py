@@ -145,11 +145,12 @@ class ModelRunner:
         else:
             from memory.rank_kv import build_rank_kv
             counts = {}
-            if self.device.type != "cuda":
+            explicit = cfg.cache.num_kv_blocks is not None and cfg.elastic.reserve_blocks > 0
+            if self.device.type != "cuda" or explicit:
                 n = self.num_kv_blocks_for_budget()
                 reserve = min(cfg.elastic.reserve_blocks, n - 1)
                 counts = dict(num_base_blocks=n - reserve, num_reserve_blocks=reserve)
-            self.kv = build_rank_kv(self, cfg.elastic.mode, **counts)
+            self.kv = build_rank_kv(self, cfg.elastic.mode, lend_step_tokens=cfg.elastic.lend_step_tokens, **counts)
             self.num_kv_blocks = self.kv.num_base + self.kv.num_reserve
         self.capture_graphs()
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 
-from memory.elastic import ElasticPolicy, attach_elastic
 from replicas import SamplingParams
 from replicas import envs
 from replicas.config import EngineConfig
 from replicas.engine import LLMEngine
+from replicas.model_runner import ModelRunner
 from tests.support import REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -52,11 +52,12 @@ def test_ten_thousand_cycles_under_live_load(tiny):
     transformers = pytest.importorskip("transformers")
     from tests.support.greedy import compare_greedy
 
-    cfg = EngineConfig.from_flat(model=tiny, dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=32,
-                                 max_model_len=512, max_num_batched_tokens=1024, enable_prefix_caching=True)
+    cfg = EngineConfig.from_flat(model=tiny, dtype="float32", block_size=16, num_kv_blocks=256 + 128,
+                                 reserve_blocks=128, max_num_seqs=32, max_model_len=512, max_num_batched_tokens=1024,
+                                 enable_prefix_caching=True, elastic="elastic", elastic_lend_step_tokens=40,
+                                 elastic_lend_after_steps=1, elastic_min_lend_steps=0)
     engine = LLMEngine(cfg)
-    elastic = attach_elastic(engine, "elastic", ElasticPolicy(40, lend_after_steps=1, min_lend_steps=0),
-                             num_base_blocks=256, num_reserve_blocks=128)
+    elastic = engine.elastic
     assert engine.runner.graphs is not None, "the stress must run through CUDA graphs"
     addresses = [c.data_ptr() for c in engine.runner.kv_caches]
     rng = random.Random(0)
@@ -127,13 +128,20 @@ def burst_main(mode: str) -> None:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(QWEN3_06B, f)
     budget, lend_tokens, slack = 32768, 4096, 128 << 20
-    engine = LLMEngine(EngineConfig.from_flat(model=folder, load_format="dummy", num_kv_blocks=64, max_num_seqs=32,
-                                              max_num_batched_tokens=budget, max_model_len=budget, block_size=16))
-    free, _ = torch.cuda.mem_get_info()
-    ballast = torch.empty(max(0, free - (8 << 30)), dtype=torch.uint8, device="cuda")    # noqa: F841
-    elastic = attach_elastic(engine, mode, ElasticPolicy(lend_tokens, lend_after_steps=1, min_lend_steps=0),
-                             lend_step_tokens=lend_tokens, slack_bytes=slack)
-    rank, bm = engine.rank_kv, engine.block_manager
+    init_kv = ModelRunner.init_kv
+
+    def init_kv_beside_ballast(runner):      # the weights are loaded: leave the engine 8 GiB for the rest
+        free, _ = torch.cuda.mem_get_info()
+        runner.ballast = torch.empty(max(0, free - (8 << 30)), dtype=torch.uint8, device="cuda")
+        init_kv(runner)
+    ModelRunner.init_kv = init_kv_beside_ballast
+    _, total = torch.cuda.mem_get_info()
+    engine = LLMEngine(EngineConfig.from_flat(model=folder, load_format="dummy", max_num_seqs=32,
+                                              max_num_batched_tokens=budget, max_model_len=budget, block_size=16,
+                                              gpu_memory_utilization=1 - slack / total, elastic=mode,
+                                              elastic_lend_step_tokens=lend_tokens, elastic_lend_after_steps=1,
+                                              elastic_min_lend_steps=0))
+    elastic, rank, bm = engine.elastic, engine.runner.kv, engine.block_manager
     result = {"mode": mode, "oom": False, "phase": "fill", "slack_bytes": slack, "base_blocks": bm.num_base,
               "reserve_blocks": bm.num_reserve, "reserve_bytes": rank.reserve_bytes,
               "headroom_bytes": rank.sizing.headroom_bytes, "sizing": rank.sizing.to_dict()}

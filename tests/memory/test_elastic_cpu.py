@@ -10,7 +10,7 @@ import torch
 
 from tests.support.checkpoints import make_tiny_llama
 from memory.block_manager import BlockManager
-from memory.elastic import ElasticPolicy, LendGate, attach_elastic
+from memory.elastic import ElasticPolicy, LendGate
 from memory.rank_kv import KVAction
 from replicas.step_input import probe_step
 from memory.vmm import VmmLayout
@@ -35,13 +35,13 @@ def tiny(tmp_path_factory):
     return folder, hf.config.vocab_size, last_logits
 
 
-def elastic_engine(folder, base, reserve, lend_step_tokens, max_num_seqs=8, **policy):
-    engine = LLMEngine(EngineConfig.from_flat(model=folder, num_kv_blocks=base + reserve, block_size=BS,
-                                              max_model_len=base * BS, max_num_seqs=max_num_seqs,
-                                              max_num_batched_tokens=256))
-    policy = ElasticPolicy(lend_step_tokens, **{"lend_after_steps": 1, "min_lend_steps": 0, **policy})
-    attach_elastic(engine, "elastic", policy, num_base_blocks=base, num_reserve_blocks=reserve)
-    return engine
+def elastic_engine(folder, base, reserve, lend_step_tokens, max_num_seqs=8):
+    """An engine whose config asks for elastic KV with a logical reserve (CPU) and an eager lending policy."""
+    return LLMEngine(EngineConfig.from_flat(model=folder, num_kv_blocks=base + reserve, block_size=BS,
+                                            max_model_len=base * BS, max_num_seqs=max_num_seqs,
+                                            max_num_batched_tokens=256, elastic="elastic", reserve_blocks=reserve,
+                                            elastic_lend_step_tokens=lend_step_tokens, elastic_lend_after_steps=1,
+                                            elastic_min_lend_steps=0))
 
 
 class Guard:
@@ -54,7 +54,7 @@ class Guard:
 
     def __call__(self, step):
         e = self.engine
-        mapped = e.rank_kv.memory.mapped
+        mapped = e.runner.kv.memory.mapped
         assert mapped == e.block_manager.reserve_mapped
         if step.num_tokens > e.elastic.policy.lend_step_tokens:
             assert not mapped, f"a {step.num_tokens}-token step ran with the reserve lent"
@@ -216,9 +216,9 @@ def test_lend_refused_leaves_the_reserve_unlent(tiny):
     elastic.dispatch = real
     elastic.before_schedule()
     elastic.before_schedule()
-    assert engine.block_manager.reserve_lent and engine.rank_kv.memory.mapped
+    assert engine.block_manager.reserve_lent and engine.runner.kv.memory.mapped
     elastic.set_mode("off")
-    assert not engine.block_manager.reserve_lent and not engine.rank_kv.memory.mapped
+    assert not engine.block_manager.reserve_lent and not engine.runner.kv.memory.mapped
     elastic.before_schedule()
     assert not engine.block_manager.reserve_lent
     with pytest.raises(ValueError):
@@ -228,7 +228,7 @@ def test_lend_refused_leaves_the_reserve_unlent(tiny):
 def test_reclaim_action_copies_blocks_on_every_layer(tiny):
     folder, _, _ = tiny
     engine = elastic_engine(folder, base=8, reserve=8, lend_step_tokens=48)
-    rank = engine.rank_kv
+    rank = engine.runner.kv
     assert rank.apply(KVAction("lend"))
     for c in rank.caches:
         c[9].fill_(3.0)
