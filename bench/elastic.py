@@ -31,17 +31,16 @@ import time
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench.shapes import SHAPES, write_shape
+from memory.kv_layout import LAYERS_PER_RANGE, layers_per_range
+from memory.reserve import profile_reserve
+from memory.vmm import VmmKVPool, VmmLayout, allocation_granularity
+from replicas import SamplingParams
+from replicas.config import EngineConfig
+from replicas.engine import LLMEngine
+from replicas.model_runner import ModelRunner
 
-from bench.shapes import SHAPES, write_shape  # noqa: E402
-from memory.kv_layout import LAYERS_PER_RANGE, layers_per_range  # noqa: E402
-from memory.reserve import profile_reserve  # noqa: E402
-from memory.vmm import VmmKVPool, VmmLayout, allocation_granularity  # noqa: E402
-from replicas import SamplingParams  # noqa: E402
-from replicas.config import EngineConfig  # noqa: E402
-from replicas.engine import LLMEngine  # noqa: E402
-from replicas.model_runner import ModelRunner  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Llama-3-8B at Llama 3.1's context: the negative section sends 8192-token prompts plus their output.
 CONTEXT = {"llama3-8b": dict(max_position_embeddings=131072)}
@@ -280,11 +279,10 @@ def section_cycles(args, out: dict) -> None:
 
 
 def section_static(args, out: dict) -> None:
-    script = os.path.join(REPO, "tests", "gpu", "test_elastic_gpu.py")
     results = {}
     for mode in ("elastic", "static"):
-        proc = subprocess.run([sys.executable, script, "burst", mode], cwd=REPO, capture_output=True, text=True,
-                              timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.run([sys.executable, "-m", "tests.gpu.test_elastic_gpu", "burst", mode], cwd=REPO,
+                              capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         results[mode] = json.loads(line[-1][7:]) if line else {"rc": proc.returncode, "stderr": proc.stderr[-2000:]}
     out.update(static_commit_oom=bool(results["static"].get("oom")), burst=results,
