@@ -3,8 +3,8 @@
 A range holds `g` consecutive layers as one tensor [num_blocks, g, 2, block_size, Hkv, D], so block b of
 every layer of the group is one contiguous span and the reserve (the tail blocks) of a whole group is one
 contiguous span too: the elastic reserve is one VMM handle and one mapping per range, not per layer.
-Measured on an H200 for Llama-3-8B's 4.8 GB reserve (bench/elastic.py): unmapping 32 per-layer handles
-5.06 ms, one handle 2.84 ms; the cost is mostly per handle. Groups stay small so one layer's blocks still
+Unmapping costs mostly per handle (bench/elastic.py times per-layer, per-range and single handles), hence the
+ranges. Groups stay small so one layer's blocks still
 share 2 MiB pages (a layer's block stride is g x its block bytes) and the attention kernels' TLB reach is
 not spread over the whole pool. Every consumer takes a layer's view with its strides.
 """

@@ -5,8 +5,8 @@ reserve] is reserved once. The base handle is mapped at its start for the pool's
 handle is mapped right after it only while the reserve is lent. The torch tensor over each range is made
 once, so kernels and CUDA graphs always see the same address.
 
-Costs that matter (measured on an H200, see DESIGN.md): per-call overhead dominates with small handles,
-so each range's reserve is ONE handle; the driver calls are grouped by kind with everything prebuilt.
+Costs that matter (bench/elastic.py times them): per-call overhead dominates with small handles, so each
+range's reserve is ONE handle; the driver calls are grouped by kind with everything prebuilt.
 By default a handle is released right after it is mapped: the mapping keeps the memory alive and
 `cuMemUnmap` alone returns it to the driver, so a reclaim (on the path of a prefill) makes one driver
 call per range instead of two.

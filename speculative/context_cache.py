@@ -142,8 +142,8 @@ class PagedDraftContext:
 
     def page_bucket(self, seq_ids: list[int]) -> int:
         """Pages per sequence of the batch's gather: the longest context's, rounded up to a power of two. The bucket
-        matters on CUDA: every new attention shape costs a fresh kernel plan (~60 ms on the H200 when it was the
-        exact longest length, i.e. every round), buckets keep the shapes to a handful."""
+        matters on CUDA: every new attention shape costs a fresh kernel plan, and the exact longest length would be
+        a new shape every round; buckets keep the shapes to a handful."""
         longest = max((self.length(s) for s in seq_ids), default=0)
         return next_power_of_two(-(-longest // self.page_size))
 

@@ -27,9 +27,9 @@ import torch
 from replicas.step_input import StepInput
 from speculative.cost_model import AcceptanceProfile, BudgetPolicy, VerifyProfile
 
-# Accepted draft tokens per round assumed at every budget until acceptance is measured (tau = 2): between our
-# undertrained drafter's measured tau 1.3-1.9 and trained DFlash/Domino drafters' 3-6. Flat in n, so the policy
-# picks the cheapest budget that beats plain decoding.
+# Accepted draft tokens per round assumed at every budget until acceptance is measured (tau = 2): below what
+# trained block drafters reach, so the policy stays conservative. Flat in n, so the policy picks the cheapest
+# budget that beats plain decoding.
 PRIOR_ACCEPTED = 1.0
 # Verify graphs are captured for steps of at most this many tokens (batch bucket x (1 + nodes)): beyond the
 # memory-bound knee a verify step costs several plain steps, the host overhead a graph removes no longer matters,

@@ -198,7 +198,7 @@ class Speculator:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], n: int) -> DraftProposal:
         """One draft tree of n nodes per sequence, rooted at its last (uncomputed) token."""
-        # The labels name the round's parts for torch.profiler (bench/draft_round.py); they cost ~1 us when off.
+        # The labels name the round's parts for torch.profiler (bench/draft_round.py); nearly free when it is off.
         # With static shapes, the context gather is part of the drafter pass's graph.
         host = np.asarray([[s.last_token_id for s in seqs], [s.num_tokens - 1 for s in seqs]], dtype=np.int64)
         seq_ids = [s.seq_id for s in seqs]
