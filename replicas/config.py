@@ -223,6 +223,12 @@ class SpeculativeConfig(_Checked):
                           flat="spec_budget", minimum=0)
     allow_random_drafter: bool = setting(False, "tests only: a randomly initialised drafter when none is given "
                                                 "or bundled")
+    policy: str = setting("measured", "how the draft budget per batch size is chosen: measured (a cost model over "
+                                      "verify and draft times profiled at start-up, on any device: never a budget "
+                                      "that loses to plain decoding), knee (no profile: speculate while the verify "
+                                      "step stays below the memory-bound knee), fixed (--spec-budget at every batch "
+                                      "size; benchmarks of acceptance)",
+                          flat="spec_policy", choices=("measured", "knee", "fixed"))
 
 
 @dataclass(frozen=True)
@@ -235,11 +241,23 @@ class GraphsConfig(_Checked):
 
 @dataclass(frozen=True)
 class ServingConfig(_Checked):
-    """How the engine reports to a server streaming its outputs."""
+    """How the engine reports to a server streaming its outputs, and how the server watches it."""
     stream_item_ms: Optional[float] = setting(None, "with n requests streaming, each reports at most every (n-1) "
                                                     "x this many ms (default: 0 offline, an output per step; "
                                                     "$TIDAL_STREAM_ITEM_MS or 1.0 in a Serve replica)",
                                               minimum=0.0)
+    watchdog_s: float = setting(30.0, "the engine core counts as stuck (its requests fail, health checks fail) "
+                                      "after this many seconds without finishing a step or an idle wait",
+                                flat="engine_watchdog_s", minimum=0.1)
+
+
+@dataclass(frozen=True)
+class LimitsConfig(_Checked):
+    """Bounds on what one request may ask for; beyond them the request is refused with a 400 naming the
+    parameter."""
+    max_stop_token_ids: int = setting(64, "stop_token_ids one request may give", minimum=0)
+    max_stop_strings: int = setting(16, "stop strings one request may give", minimum=0)
+    max_stop_string_chars: int = setting(256, "characters of one stop string", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -265,6 +283,7 @@ class EngineConfig(_Checked):
     speculative: SpeculativeConfig = group(SpeculativeConfig, "speculative decoding")
     graphs: GraphsConfig = group(GraphsConfig, "CUDA graphs")
     serving: ServingConfig = group(ServingConfig, "streaming to a server")
+    limits: LimitsConfig = group(LimitsConfig, "per-request limits")
 
     @classmethod
     def settings(cls) -> tuple[Setting, ...]:

@@ -35,6 +35,10 @@ PRIOR_ACCEPTED = 1.0
 # memory-bound knee a verify step costs several plain steps, the host overhead a graph removes no longer matters,
 # and the graphs' memory stays bounded.
 VERIFY_GRAPH_TOKENS = 512
+# The largest batch profiled on a CPU (larger batches then never speculate): there a forward's cost grows with its
+# tokens from the first one, so a verify step of b x (1 + n) tokens only pays at small b, and profiling larger
+# batches would only lengthen start-up.
+CPU_LARGEST_BATCH = 8
 
 
 def verify_step(runner, batch: int, nodes: int, context_len: int, aux_layers: tuple[int, ...]) -> StepInput:
@@ -166,8 +170,11 @@ def measured_budget_policy(runner, speculator) -> BudgetPolicy:
     top = speculator.max_budget
     budgets = sorted({n for n in (top, top // 2, top // 4) if n > 0})
     most = runner.config.scheduling.max_num_seqs
-    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= most] + ([most] if most < 64 else [])
+    largest = 64 if runner.device.type == "cuda" else CPU_LARGEST_BATCH
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(most, largest)] + ([most] if most < largest else [])
     if runner.graphs is not None:
         runner.graphs.capture_verify(speculator.aux_layers, _candidate_shapes(runner, budgets))
-    profile = measure_verify_profile(runner, speculator, sorted(set(sizes)), budgets)
+    on_gpu = runner.device.type == "cuda"
+    profile = measure_verify_profile(runner, speculator, sorted(set(sizes)), budgets, warmup=2 if on_gpu else 1,
+                                     iters=5 if on_gpu else 3)
     return BudgetPolicy(profile, AcceptanceProfile({n: PRIOR_ACCEPTED for n in budgets if n > 0}))

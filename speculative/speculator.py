@@ -34,7 +34,7 @@ from speculative.baselines import METHODS, make_builder
 from replicas.transfer import to_device
 from speculative.context_cache import PagedDraftContext, PendingObservations
 from speculative.context_graphs import FlushGraphs, flush_eager
-from speculative.cost_model import KneeBudgetPolicy
+from speculative.cost_model import FixedBudgetPolicy, KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.drafter_graphs import DrafterGraphs, graphs_enabled, static_draft_enabled
 from speculative.draft_tree import DraftTree
@@ -102,9 +102,8 @@ class Speculator:
                           model.model.embed_tokens.weight, model.lm_head.weight, model_config.vocab_size,
                           config.scheduling.max_num_seqs)
         runner.capture_aux_graphs(spec.aux_layers)          # CUDA only: plain decode steps stay graphed
-        if runner.device.type == "cuda" and spec.max_budget > 0:
-            from speculative.profile import measured_budget_policy
-            spec.use_policy(measured_budget_policy(runner, spec), runner)   # tree and verify graphs of its budgets
+        if spec.max_budget > 0:
+            spec.use_policy(budget_policy(config.speculative.policy, runner, spec), runner)
         return spec
 
     # ---- budget -----------------------------------------------------------------------------
@@ -226,6 +225,16 @@ class Speculator:
         with record_function("draft:host_copy"):
             rows = tree_rows(tree)
         return DraftProposal(rows, tree)
+
+
+def budget_policy(kind: str, runner, spec: Speculator):
+    """The configured policy ("measured" | "knee" | "fixed", EngineConfig.speculative.policy) for `spec`."""
+    if kind == "fixed":
+        return FixedBudgetPolicy(spec.max_budget)
+    if kind == "knee":
+        return KneeBudgetPolicy(spec.max_budget)
+    from speculative.profile import measured_budget_policy
+    return measured_budget_policy(runner, spec)        # captures the tree and verify graphs of its budgets
 
 
 class TreeRows(list):

@@ -298,7 +298,7 @@ def events_server_flags(drafter: Path, model_config) -> list[str]:
     return ["--replicas", "1", "--max-model-len", str(EVENTS_MAX_MODEL_LEN), "--max-num-seqs", str(EVENTS_MAX_SEQS),
             "--max-num-batched-tokens", str(EVENTS_BUDGET), "--knob", f"max_num_batched_tokens={EVENTS_START_BUDGET}",
             "--elastic", "elastic", "--reserve-blocks", str(reserve),
-            "--speculative", "dominotree", "--drafter", str(drafter), "--spec-budget", "4",
+            "--speculative", "dominotree", "--drafter", str(drafter), "--spec-budget", "4", "--spec-policy", "knee",
             "--controller", "--controller-interval", "1"]
 
 

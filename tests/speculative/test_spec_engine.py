@@ -46,7 +46,8 @@ def last_logits_fn(hf):
 
 
 def spec_llm(folder, method="dominotree", **kw):
-    return LLM(model=folder, speculative=method, allow_random_drafter=True, **{**ENGINE, **kw})
+    """A speculative engine whose policy speculates without a profile (the knee), so the rounds run on CPU."""
+    return LLM(model=folder, speculative=method, allow_random_drafter=True, spec_policy="knee", **{**ENGINE, **kw})
 
 
 def generate_ids(llm, prompts, params):

@@ -26,7 +26,8 @@ def folder(tmp_path_factory):
 
 
 def test_graphed_aux_step_equals_eager(folder):
-    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **ENGINE)
+    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, spec_policy="knee",
+              **ENGINE)
     try:
         runner, aux_layers = llm.engine.runner, llm.engine.speculator.aux_layers
         for b in (1, 3, 8):
@@ -52,7 +53,8 @@ def test_graphed_aux_step_equals_eager(folder):
 
 
 def test_graphed_verify_step_equals_eager(folder):
-    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **ENGINE)
+    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, spec_policy="knee",
+              **ENGINE)
     try:
         runner, aux_layers = llm.engine.runner, llm.engine.speculator.aux_layers
         graphs = install_graphs(llm)
@@ -84,7 +86,8 @@ def test_graphed_verify_step_equals_eager(folder):
 
 def test_speculative_engine_with_graphed_steps_matches_plain(folder):
     prompts, params, want, last = plain_greedy_case(folder, (5, 9, 14, 3, 21, 7, 11), 0, 6, 4, **ENGINE)
-    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, **ENGINE)
+    llm = LLM(model=folder, speculative="dominotree", allow_random_drafter=True, spec_policy="knee",
+              **ENGINE)
     try:
         graphs, spec = install_graphs(llm), llm.engine.speculator
         spec.use_policy(KneeBudgetPolicy(8, knee_tokens=30), llm.engine.runner)    # batch >= 7: plain, graphed
