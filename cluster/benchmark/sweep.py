@@ -48,7 +48,8 @@ def run_sweep(target: ApiTarget, requests: Sequence[BenchRequest], base: LoadSet
     points = []
     for rate in rates:
         print(f"\n--- request rate {rate_label(rate)} req/s ---", flush=True)
-        outcome = asyncio.run(run_load(target, requests, dataclasses.replace(base, request_rate=rate), prompt_lens_exact))
+        settings = dataclasses.replace(base, request_rate=rate)
+        outcome = asyncio.run(run_load(target, requests, settings, prompt_lens_exact))
         metrics = compute_metrics(outcome.results, outcome.duration, slo)
         print(format_table(metrics, base.max_concurrency, rate))
         points.append(RatePoint(rate, metrics, outcome.results))

