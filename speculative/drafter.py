@@ -5,6 +5,9 @@ embeddings at positions p .. p+block-1; attention inside the block is bidirectio
 attends to the target's context: the target's residual stream after `target_layer_ids`, concatenated, projected
 (fc + RMSNorm) and turned into extra keys/values. The target's frozen LM head maps the block's hidden states to
 base logits [B, block, V]; slot k predicts the token at position p+1+k (label shift: slot 0 is the next token).
+Drafters published in the DFlash layout (speculative/drafters/public.py) differ in two settings: the mask slots
+embed the target's `mask_token_id`, and without the label shift the root's slot predicts nothing: the input is the
+root and `block_size` mask slots, the root's output is dropped.
 
 The Domino head adds a causal, path-dependent correction: a GRU reads the target embeddings of the root and the
 path so far; slot k's logits are base_k + W2 SiLU(W1 [z_k; s_k]), with s_k the GRU state after root + k path
@@ -54,10 +57,17 @@ class DrafterConfig:
     gru_hidden: int = 1024
     correction_rank: int = 256
     uncorrected_positions: int = 1
+    mask_token_id: Optional[int] = None   # None: the learned mask embedding; else the target's embedding of it
+    shift_label: bool = True              # False: the root's slot predicts nothing (published DFlash)
 
     @property
     def context_size(self) -> int:
         return len(self.target_layer_ids) * self.hidden_size
+
+    @property
+    def input_length(self) -> int:
+        """Block inputs per round (root + mask slots); `block_size` is the number of drafted slots."""
+        return self.block_size if self.shift_label else self.block_size + 1
 
     @staticmethod
     def for_target(model: ModelConfig, num_layers: int = 3, num_target_layers: Optional[int] = None,
@@ -244,6 +254,8 @@ class DominoDrafter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        if self.backbone.mask_embedding.is_meta:     # a loader's skeleton (meta device): weights come from a file
+            return
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 nn.init.normal_(p, std=1.0 / math.sqrt(p.shape[-1]))
@@ -251,10 +263,12 @@ class DominoDrafter(nn.Module):
         nn.init.zeros_(self.head.w2.weight)          # the head starts as "no correction"
 
     def block_inputs(self, root_ids: Tensor, root_positions: Tensor, embed_weight: Tensor) -> tuple[Tensor, Tensor]:
-        """[root, mask x (S-1)] embeddings [B, S, H] and their positions [B, S]."""
-        s = self.cfg.block_size
-        root = embed_weight[root_ids].to(self.backbone.mask_embedding.dtype)[:, None]
-        masks = self.backbone.mask_embedding.expand(root.shape[0], s - 1, -1)
+        """[root, mask x (S-1)] embeddings [B, S, H] and their positions [B, S]; S = cfg.input_length."""
+        s, dtype = self.cfg.input_length, self.backbone.mask_embedding.dtype
+        root = embed_weight[root_ids].to(dtype)[:, None]
+        mask = self.backbone.mask_embedding if self.cfg.mask_token_id is None else \
+            embed_weight[self.cfg.mask_token_id].to(dtype)
+        masks = mask.expand(root.shape[0], s - 1, -1)
         pos = root_positions[:, None] + torch.arange(s, device=root_positions.device)
         return torch.cat([root, masks], 1), pos
 
@@ -266,7 +280,7 @@ class DominoDrafter(nn.Module):
         b, s = pos.shape
         mask = torch.cat([ctx.valid[:, None, :].expand(b, s, ctx.length),
                           torch.ones(b, s, s, dtype=torch.bool, device=pos.device)], dim=2)
-        hidden = self.backbone(embeds, pos, ctx, mask)
+        hidden = self.backbone(embeds, pos, ctx, mask)[:, s - self.cfg.block_size:]   # no label shift: drop the root
         return DraftBlock(hidden, hidden @ lm_head_weight.to(hidden.dtype).t())
 
     def save(self, folder: str, int8: bool = False) -> None:
@@ -276,9 +290,16 @@ class DominoDrafter(nn.Module):
             f.write(self.cfg.to_json())
 
     @staticmethod
-    def load(folder: str, device="cpu", dtype: torch.dtype = torch.float32) -> "DominoDrafter":
+    def load(folder: str, device="cpu", dtype: torch.dtype = torch.float32,
+             target: Optional[ModelConfig] = None) -> "DominoDrafter":
+        """A folder saved by `save`, or a published DFlash / Domino checkpoint (speculative/drafters/public.py;
+        `target`, when given, is checked against it)."""
+        from speculative.drafters.public import load_public_drafter, published_layout
         with open(os.path.join(folder, "config.json")) as f:
-            cfg = DrafterConfig.from_json(f.read())
+            text = f.read()
+        if published_layout(json.loads(text)) is not None:
+            return load_public_drafter(folder, device, dtype, target)
+        cfg = DrafterConfig.from_json(text)
         model = DominoDrafter(cfg)
         model.load_state_dict(load_weights(folder))
         return model.to(device=device, dtype=dtype)

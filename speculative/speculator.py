@@ -88,13 +88,14 @@ class Speculator:
         from speculative.drafters import bundled_drafter
         path = config.speculative.drafter or bundled_drafter(model_config)
         if path is not None:
-            drafter = DominoDrafter.load(path, runner.device, runner.dtype)
+            drafter = DominoDrafter.load(path, runner.device, runner.dtype, target=model_config)
         elif config.speculative.allow_random_drafter:
             torch.manual_seed(config.seed)
             drafter = DominoDrafter(DrafterConfig.for_target(model_config)).to(runner.device, runner.dtype)
         else:
             raise ValueError("speculative decoding needs a trained drafter and none is bundled for this model: "
-                             "pass drafter=<folder saved by DominoDrafter.save>")
+                             "pass drafter=<folder saved by DominoDrafter.save, or a published DFlash / Domino "
+                             "checkpoint>")
         if drafter.cfg.vocab_size != model_config.vocab_size or drafter.cfg.hidden_size != model_config.hidden_size:
             raise ValueError("the drafter was trained for another target (vocab or hidden size differs)")
         model = runner.model
