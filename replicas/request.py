@@ -1,16 +1,18 @@
-"""A request: its n sequences, their detokenizers, and turning them into `RequestOutput`s."""
+"""A request: its n sequences, their detokenizers, and turning them into `RequestOutput`s; the checks a request
+passes at admission and the errors that end one."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence as Seq
 
 from replicas.outputs import CompletionOutput, RequestOutput
-from replicas.sampling_params import SamplingParams
+from replicas.sampling_params import SamplingParams, SamplingParamsError
 from replicas.sequence import Sequence
 
 
 class RequestError(ValueError):
-    """A request the engine cannot take (empty or too-long prompt, ...); maps to an HTTP 400."""
+    """A request the engine cannot take (empty or too-long prompt, a parameter past a limit, ...); maps to an
+    HTTP 400."""
 
     def __init__(self, param: Optional[str], message: str, code: Optional[str] = None):
         super().__init__(message)
@@ -18,6 +20,48 @@ class RequestError(ValueError):
 
     def __reduce__(self):                         # it crosses the engine core's pipe
         return RequestError, (self.param, str(self), self.code)
+
+
+class EngineStepError(RuntimeError):
+    """The engine dropped this request because the step running it failed (out of device memory, a failed elastic
+    reclaim); the engine itself keeps serving, so the request may be retried."""
+
+
+def check_params(params: SamplingParams, limits) -> None:
+    """The sampling parameters in range and within the engine's limits (`EngineConfig.limits`)."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError("params", f"expected SamplingParams, got {type(params).__name__}")
+    try:
+        params.validate()
+    except SamplingParamsError as e:
+        raise RequestError(e.param, str(e), "invalid_value") from None
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise RequestError("stop_token_ids", f"stop_token_ids has {len(params.stop_token_ids)} ids; this server "
+                           f"takes at most {limits.max_stop_token_ids}", "invalid_value")
+    if len(params.stop) > limits.max_stop_strings:
+        raise RequestError("stop", f"stop has {len(params.stop)} strings; this server takes at most "
+                           f"{limits.max_stop_strings}", "invalid_value")
+    longest = max(map(len, params.stop), default=0)
+    if longest > limits.max_stop_string_chars:
+        raise RequestError("stop", f"a stop string has {longest} characters; this server takes at most "
+                           f"{limits.max_stop_string_chars}", "invalid_value")
+
+
+def check_prompt(ids: Seq[int], params: SamplingParams, max_model_len: int,
+                 vocab_size: Optional[int] = None) -> None:
+    """The prompt is not empty and, with max_tokens, fits the context (the engine sizes max_model_len so that
+    one such sequence also fits its KV cache); its ids are in the vocabulary when `vocab_size` is given."""
+    if not ids:
+        raise RequestError("prompt", "the prompt is empty", "empty_prompt")
+    room = max_model_len - len(ids)
+    if room < 1:
+        raise RequestError("prompt", f"the prompt has {len(ids)} tokens; this model's maximum context length "
+                           f"is {max_model_len} tokens", "context_length_exceeded")
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise RequestError("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens "
+                           f"exceeds the maximum context length of {max_model_len}", "context_length_exceeded")
+    if vocab_size is not None and any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in ids):
+        raise RequestError("prompt", "prompt token ids must be integers in [0, vocab_size)")
 
 
 @dataclass

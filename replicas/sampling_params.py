@@ -40,9 +40,11 @@ class SamplingParams:
             self.stop = (self.stop,)
         self.stop = tuple(self.stop or ())
         self.stop_token_ids = tuple(self.stop_token_ids or ())
-        self._check()
+        self.validate()
 
-    def _check(self):
+    def validate(self) -> None:
+        """Every parameter in range (SamplingParamsError naming the first that is not). The engine checks again at
+        admission, with its configurable limits (replicas.request.check_params)."""
         def need(ok: bool, param: str, msg: str):
             if not ok:
                 raise SamplingParamsError(param, msg)
@@ -62,12 +64,14 @@ class SamplingParams:
         need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
              f"max_tokens must be a positive integer, got {self.max_tokens}")
         need(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0")
-        need(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16, "stop",
-             "stop must be up to 16 non-empty strings")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "stop_token_ids must be non-negative integers")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
              f"logprobs must be an integer in [0, 20], got {self.logprobs}")
+        pl = self.prompt_logprobs
+        need(pl is None or (isinstance(pl, int) and 0 <= pl <= 20), "prompt_logprobs",
+             f"prompt_logprobs must be an integer in [0, 20], got {pl}")
         need(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
         need(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
 
