@@ -196,6 +196,12 @@ class BlockManager:
         assert all(b.ref_count == 0 and b.hash is None for b in self.blocks[self.num_base:])
         self.reserve_lent = True
 
+    def drop_prefix_cache(self) -> int:
+        """Forget every cached prefix (K/V that can no longer be trusted); only with no live block, as the chain
+        hashes of a live sequence's later blocks build on its earlier ones. Returns how many entries were dropped."""
+        assert all(b.ref_count == 0 for b in self.blocks), "dropping the prefix cache under live blocks"
+        return sum(self._evict(block) for block in self.blocks)
+
     def evict_free_reserve(self) -> int:
         """Drop prefix-cache entries held by free reserve blocks. Returns how many were evicted."""
         return sum(self._evict(self.blocks[block_id]) for block_id in self.free_reserve)

@@ -1,9 +1,15 @@
 """The engine loop: schedule a step, run it on every rank, sample, update sequences, detokenize.
 
 engine -> scheduler -> block manager -> model runner -> model -> sampler: five hops, one step.
+
+Failures: a request's own failure (admission, detokenization) ends that request only; a step that runs out of
+device memory, or an elastic reclaim that fails, ends the requests of that step, frees their blocks and the engine
+goes on. The errors of requests ended in a step wait in `take_failed()`. Anything else propagates: the engine's
+state is unknown.
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import replace
 from functools import partial
@@ -11,13 +17,16 @@ import time
 from typing import Optional, Union
 
 import numpy as np
+import torch
 
 from memory.block_manager import BlockManager
+from memory.rank_kv import RECLAIM, KVAction
+from memory.vmm import VmmError
 from replicas.config import EngineConfig
 from replicas.distributed.launch import LaunchedRanks, ProcessLauncher, WorkerLauncher, free_port
 from replicas.model_runner import ModelRunner
 from replicas.outputs import Logprob, RequestOutput
-from replicas.request import Request, RequestError
+from replicas.request import EngineStepError, Request, RequestError, check_params, check_prompt
 from replicas.sampler import Sampler, SamplingBatch
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler
@@ -28,6 +37,8 @@ from replicas.step_input import StepInput
 from replicas.stream_coalescer import StreamCoalescer
 
 Prompt = Union[str, list[int]]
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -60,6 +71,7 @@ class LLMEngine:
         reserve = kv.num_reserve if kv is not None else min(config.elastic.reserve_blocks, num_blocks - 1)
         self.block_manager = BlockManager(num_blocks - reserve, reserve, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
+        self.max_model_len = self.runner.max_model_len = self._fit_max_model_len()
         self.scheduler = Scheduler(self.block_manager, config.scheduling.max_num_batched_tokens,
                                    config.scheduling.max_num_seqs, self.max_model_len)
         self.elastic = None
@@ -72,6 +84,8 @@ class LLMEngine:
                                      kv.reserve_bytes, self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.failed: list[tuple[str, BaseException]] = []
+        self._in_forward = False          # a step's forward is under way (with TP: inside collectives)
         self.coalescer = StreamCoalescer((config.serving.stream_item_ms or 0.0) / 1e3)
         self.stats = EngineStats(kv_blocks_total=num_blocks - reserve)
         self.finished_timings: list[RequestTimings] = []
@@ -83,26 +97,37 @@ class LLMEngine:
                                                               self.eos_token_ids)
         self.speculation = self.speculator is not None
 
+    def _fit_max_model_len(self) -> int:
+        """One sequence of max_model_len tokens must fit the blocks a sequence can always have (the base region:
+        an elastic reserve may be taken back before any step), or it would wait for room forever. The model's
+        default is lowered to what fits; a max_model_len given explicitly that does not fit refuses to start."""
+        bm, want = self.block_manager, self.runner.max_model_len
+        capacity = bm.num_base * bm.block_size
+        if want <= capacity:
+            return want
+        where = f"{bm.num_base} KV blocks of {bm.block_size} tokens" + (
+            f" (not counting the {bm.num_reserve} reserve blocks)" if bm.num_reserve else "")
+        if self.config.scheduling.max_model_len is not None:
+            raise ValueError(f"max_model_len={want} does not fit the KV cache: its {where} hold {capacity} tokens; "
+                             f"give --max-model-len {capacity} or less, or more KV blocks (--num-kv-blocks, "
+                             "--gpu-memory-utilization, --kv-cache-bytes on CPU)")
+        log.warning("max_model_len lowered from the model's %d to %d tokens: one sequence must fit the KV cache "
+                    "(%s); more blocks through --num-kv-blocks or --gpu-memory-utilization", want, capacity, where)
+        return capacity
+
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     arrival_time: Optional[float] = None, stream: bool = True) -> None:
-        """`stream=False`: `step()` reports the request only when it finishes (offline use)."""
+        """`prompt`: text (tokenized here) or token ids. `stream=False`: `step()` reports the request only when it
+        finishes (offline use). A request the engine cannot take raises RequestError and leaves nothing behind."""
         if request_id in self.requests:
             raise RequestError("request_id", f"request id {request_id!r} is already running")
+        check_params(params, self.config.limits)
+        if isinstance(prompt, str) and not prompt:
+            raise RequestError("prompt", "the prompt is empty", "empty_prompt")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids or text == "":
-            raise RequestError("prompt", "the prompt is empty", "empty_prompt")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in ids):
-            raise RequestError("prompt", "prompt token ids must be integers in [0, vocab_size)")
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise RequestError("prompt", f"the prompt has {len(ids)} tokens; this model's maximum context length "
-                               f"is {self.max_model_len} tokens", "context_length_exceeded")
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise RequestError("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens "
-                               f"exceeds the maximum context length of {self.max_model_len}",
-                               "context_length_exceeded")
+        check_prompt(ids, params, self.max_model_len, self.model_config.vocab_size)
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = []
         for i in range(params.n):
@@ -116,6 +141,11 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
+        req = self._drop(request_id)
+        return req.make_output() if req is not None else None
+
+    def _drop(self, request_id: str) -> Optional[Request]:
+        """Forget the request and free its sequences' blocks."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -125,7 +155,17 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
             if self.speculator is not None:
                 self.speculator.forget(seq)
-        return req.make_output()
+        return req
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """End the request with `error` for its client (`take_failed`), its blocks freed."""
+        if self._drop(request_id) is not None:
+            self.failed.append((request_id, error))
+
+    def take_failed(self) -> list[tuple[str, BaseException]]:
+        """(request id, error) of the requests the engine ended with an error since the last call."""
+        out, self.failed = self.failed, []
+        return out
 
     @property
     def has_unfinished(self) -> bool:
@@ -134,18 +174,32 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.elastic is not None:
-            self.elastic.before_schedule()      # reclaim before a step whose prefill needs the reserve
+            self._elastic_guarded(self.elastic.before_schedule)   # reclaim before a prefill that needs the reserve
         spec = self.speculator if self.speculation and self.speculator.enabled else None
         self.scheduler.spec_budget = spec.budget(len(self.scheduler.running)) if spec is not None else 0
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            self._fail_unschedulable()
             return []
+        self._in_forward = False
+        try:
+            return self._run(batch, spec)
+        except torch.OutOfMemoryError as e:
+            if self._in_forward and self.runner.world_size > 1:
+                raise                   # the other ranks are inside this step's collectives
+            self._fail_step(batch, e)
+            return []
+
+    def _run(self, batch, spec) -> list[RequestOutput]:
+        num_failed = len(self.failed)
         drafted = [i for i in range(len(batch.seqs)) if batch.num_drafts(i)]
         proposal = spec.propose([batch.seqs[i] for i in drafted], batch.num_drafts(drafted[0])) if drafted else None
         trees = dict(zip(drafted, proposal.rows)) if drafted else None
         step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
                                     spec.aux_layers if spec is not None else ())
+        self._in_forward = True
         logits = self.runner.execute(step)
+        self._in_forward = False
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted) if drafted else ([], [])
         tokens, out = [], None
@@ -173,11 +227,20 @@ class LLMEngine:
             first_rows = [int(step.query_start_loc[i]) for i in drafted]
             verified = self.verifier.verify(seqs, proposal, logits[spec_rows])
             self._apply_verified(seqs, verified, aux, first_rows, now)
-            touched.update((s.request_id, self.requests[s.request_id]) for s in seqs)
+            touched.update((s.request_id, self.requests[s.request_id]) for s in seqs if s.request_id in self.requests)
         for row, i in enumerate(sampling):
             seq = batch.seqs[i]
-            self._append_token(seq, tokens[row], out, row, now)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue                # failed earlier in this step, through another of its sequences
+            try:
+                self._append_token(seq, tokens[row], out, row, now)
+            except Exception as e:  # noqa: BLE001 - this request's own failure (detokenizer, stop check)
+                self._fail_own(seq.request_id, e)
+                continue
+            touched[seq.request_id] = req
+        if len(self.failed) > num_failed:   # a request that failed after another of its sequences was touched
+            touched = {rid: req for rid, req in touched.items() if rid in self.requests}
         self.stats.num_steps += 1
         self.stats.prefill_steps += batch.has_prefill
         self.stats.iteration_tokens_total += batch.num_tokens
@@ -187,6 +250,66 @@ class LLMEngine:
             if req.finished:
                 self._retire(req)
         return outputs
+
+    # ---- failures ---------------------------------------------------------------------------
+    def _fail_own(self, request_id: str, error: Exception) -> None:
+        """A request whose own processing raised: its client gets the error (no traceback), the log the traceback."""
+        log.error("request %s failed", request_id, exc_info=error)
+        self._fail(request_id, RuntimeError(f"{type(error).__name__}: {error}"))
+
+    def _fail_step(self, batch, error: BaseException) -> None:
+        """The step ran out of device memory: its requests end, their blocks go back, the engine goes on."""
+        ids = list(dict.fromkeys(s.request_id for s in batch.seqs))
+        log.error("a step of %d tokens ran out of device memory; failing its requests %s", batch.num_tokens, ids,
+                  exc_info=error)
+        for rid in ids:
+            self._fail(rid, EngineStepError("the engine ran out of device memory in the step running this request"))
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing runs and the head of the queue still does not fit: it never will (max_model_len is sized so that
+        this cannot happen; a request must not wait for room forever if it does)."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            return
+        seq = sched.waiting[0]
+        self._fail(seq.request_id, RequestError(
+            "prompt", f"the request needs {seq.num_tokens} tokens of KV cache at once, more than this engine's "
+            f"{self.block_manager.num_free_blocks} free blocks of {self.block_manager.block_size} tokens hold",
+            "context_length_exceeded"))
+
+    def _elastic_guarded(self, action) -> None:
+        """Run an elastic KV action (before_schedule, a mode change). A lend that raises changed nothing but the
+        device mapping; a reclaim that raises (VmmError, out of memory) may have moved blocks whose K/V was
+        never copied: the running requests end, the reserve is taken back on this rank, the engine goes on."""
+        bm, kv = self.block_manager, self.runner.kv
+        was_lent = bm.reserve_lent
+        try:
+            action()
+            return
+        except (VmmError, torch.OutOfMemoryError) as e:
+            if not was_lent and self.runner.world_size > 1:
+                raise                   # the other ranks wait for this rank in the lend's all-reduce
+            error = e
+        if was_lent:
+            ids = list(dict.fromkeys(s.request_id for s in self.scheduler.running))
+            log.error("taking the elastic reserve back failed; failing the running requests %s", ids, exc_info=error)
+            for rid in ids:
+                self._fail(rid, EngineStepError("the engine failed to take its KV reserve back while running this "
+                                                "request"))
+            if bm.reserve_lent:         # no live block left anywhere: nothing to migrate
+                if not bm.reserve_draining:
+                    bm.begin_reclaim()
+                bm.reclaim_reserve()
+            bm.drop_prefix_cache()      # blocks the reclaim moved carry their hashes, maybe not their K/V
+        else:
+            log.error("lending the elastic reserve failed; it stays in the reserve", exc_info=error)
+            self.elastic.gate.refused()
+            self.elastic.lend_refused += 1
+        if kv.memory.mapped:
+            kv.apply(KVAction(RECLAIM))   # this rank only: the others ran the action to its end
+        bm.set_reserve_mapped(False)
 
     @staticmethod
     def _logit_rows(batch, sampling: list[int], drafted: list[int]) -> tuple[list[int], list[int]]:
@@ -257,13 +380,20 @@ class LLMEngine:
 
         bs = self.config.cache.block_size
         src, dst = [], []
+        num_failed = len(self.failed)
         kept: list[tuple[Sequence, int, int, np.ndarray]] = []
         for b, seq in enumerate(seqs):
+            if seq.request_id not in self.requests:
+                continue                # failed earlier in this step, through another of its sequences
             root, count, slots = seq.num_computed_tokens, int(v.num_emitted[b]), v.path_slots[b]
-            for j, token in enumerate(v.tokens[b, :count].tolist()):
-                self._append_token(seq, token, v.sampled, b * v.width + int(slots[j]), now)
-                if seq.is_finished:
-                    break
+            try:
+                for j, token in enumerate(v.tokens[b, :count].tolist()):
+                    self._append_token(seq, token, v.sampled, b * v.width + int(slots[j]), now)
+                    if seq.is_finished:
+                        break
+            except Exception as e:  # noqa: BLE001 - this request's own failure (detokenizer, stop check)
+                self._fail_own(seq.request_id, e)
+                continue
             if seq.is_finished:
                 continue
             k = count - 1
@@ -276,6 +406,8 @@ class LLMEngine:
             kept.append((seq, root, k, first_rows[b] + slots[:k + 1]))
         if src:
             self.runner.call_all("compact_kv", np.concatenate(src), np.concatenate(dst))
+        if len(self.failed) > num_failed:   # a request that failed after another of its sequences was kept
+            kept = [entry for entry in kept if entry[0].request_id in self.requests]
         for seq, root, k, _ in kept:
             seq.num_computed_tokens = root + 1 + k
             self.block_manager.commit_full_blocks(seq, root)
@@ -327,7 +459,8 @@ class LLMEngine:
             self.scheduler.set_budget(n)
         if elastic is not None:
             if self.elastic is not None:
-                self.elastic.set_mode(elastic)
+                self._elastic_guarded(lambda: self.elastic.set_mode(elastic))
+                self.elastic.set_mode(elastic)      # again, if a failed reclaim stopped it half-way
             elif elastic != "off":
                 raise ValueError("elastic KV needs an engine started with elastic='elastic'")
         if speculation is not None:

@@ -46,6 +46,9 @@ class LLM:
                     done[out.request_id] = out
                     bar.update(1)
         bar.close()
+        failed = self.engine.take_failed()          # requests the engine ended with an error (a failed step)
+        if failed:
+            raise failed[0][1]
         return [done[rid] for rid in order]
 
     def chat(self, conversations, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
