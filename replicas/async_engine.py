@@ -1,6 +1,10 @@
 """The engine for the server. The step loop runs in an engine core process (replicas/engine_core.py); this
-side sends requests and hands each step's outputs to the callers' asyncio queues from one reader thread.
-Cancelling a caller aborts its request and frees its blocks."""
+side tokenizes prompts (in worker threads, off the event loop), sends requests and hands each step's outputs to the
+callers' asyncio queues from one reader thread. Cancelling a caller aborts its request and frees its blocks.
+
+Liveness: a watchdog thread reads the core's heartbeat. A core that exits, or writes no heartbeat for
+`EngineConfig.serving.watchdog_s` (stuck), makes the engine dead: every open stream ends with EngineDeadError, and
+so does every later request. A request past its deadline is aborted and its stream raises RequestTimeout."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +12,9 @@ import itertools
 import logging
 import multiprocessing as mp
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from replicas.config import EngineConfig
@@ -18,25 +24,40 @@ from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, Clie
                                       DrainFinishedTimings, EngineCall, EngineInfo, GetStats, Outputs, Prompt,
                                       Ready, Reconfigure, Reply, RequestFailed, Shutdown)
 from replicas.outputs import RequestOutput
-from replicas.request import RequestError
+from replicas.request import EngineStepError, RequestError, check_params, check_prompt
 from replicas.sampling_params import SamplingParams
 from replicas.stats import EngineStats, RequestTimings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLMEngine", "ChatPrompt", "EngineDeadError", "RequestError"]
+__all__ = ["AsyncLLMEngine", "ChatPrompt", "EngineDeadError", "EngineHealth", "EngineStepError", "RequestError",
+           "RequestTimeout"]
 
 START_TIMEOUT_S = 1800.0      # loading and profiling a large model
 CALL_TIMEOUT_S = 300.0        # answered between two steps
+TOKENIZER_THREADS = 2
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine core exited or is stuck: the request cannot be served by this engine."""
+
+
+class RequestTimeout(TimeoutError):
+    """The request passed its deadline; the engine aborted it."""
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    alive: bool                       # the core runs and serves (not exited, not stuck, not declared dead)
+    stuck: bool                       # no heartbeat for longer than the watchdog period
+    seconds_since_heartbeat: float
+    detail: str
 
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, worker_launcher: Optional[WorkerLauncher] = None):
         self.config = config
+        self.watchdog_s = config.serving.watchdog_s
         tp = config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}" if tp > 1 else None
         # Ranks 1..TP-1 are started from here: the Ray launcher needs this (Ray worker) process.
@@ -46,22 +67,35 @@ class AsyncLLMEngine:
         ctx = mp.get_context("spawn")
         core_in, self._to_core = ctx.Pipe(duplex=False)            # Pipe(duplex=False) is (reader, writer)
         self._from_core, core_out = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine_core, args=(config, init_method, core_in, core_out),
+        self._heartbeat = ctx.Value("d", time.monotonic(), lock=False)
+        self._proc = ctx.Process(target=run_engine_core,
+                                 args=(config, init_method, core_in, core_out, self._heartbeat),
                                  name="tidal-engine-core", daemon=True)
         self._proc.start()
         core_in.close()
         core_out.close()
+        try:
+            self.tokenizer = _load_tokenizer(config)               # while the core loads the model
+        except BaseException:
+            self._proc.kill()
+            raise
         self.info = self._wait_ready()
         self.model_name, self.max_model_len = self.info.model_name, self.info.max_model_len
         self._send_lock = threading.Lock()
+        self._dead_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._prompts: dict[str, tuple[Optional[str], list[int]]] = {}
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
-        self._error: Optional[BaseException] = None
+        self._error: Optional[EngineDeadError] = None
+        self._stuck = False
         self._stopping = False
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tidal-tokenize")
+        self._stop_watch = threading.Event()
         self._reader = threading.Thread(target=self._read, name="tidal-engine-reader", daemon=True)
         self._reader.start()
+        self._watchdog = threading.Thread(target=self._watch, name="tidal-engine-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _wait_ready(self) -> EngineInfo:
         if not self._from_core.poll(START_TIMEOUT_S):
@@ -75,14 +109,14 @@ class AsyncLLMEngine:
         match msg:
             case Ready(info=info):
                 return info
-            case CoreDied(traceback=tb):
+            case CoreDied(reason=reason):
                 self._proc.join(30)
-                raise RuntimeError(f"the engine core failed to start:\n{tb}")
+                raise RuntimeError(f"the engine core failed to start: {reason}")
             case _:
                 self._proc.kill()
                 raise RuntimeError(f"the engine core sent {type(msg).__name__} before Ready")
 
-    # ---- the reader thread --------------------------------------------------------------------
+    # ---- the reader and watchdog threads ------------------------------------------------------
     def _read(self) -> None:
         try:
             while True:
@@ -95,28 +129,56 @@ class AsyncLLMEngine:
                         fut = self._calls.pop(call_id, None)
                         if fut is not None:
                             fut.set_result(value) if ok else fut.set_exception(value)
-                    case CoreDied(traceback=tb):
-                        raise EngineDeadError(f"engine core died:\n{tb}")
-        except (EOFError, OSError, EngineDeadError) as e:
-            if self._stopping and not isinstance(e, EngineDeadError):
-                return                                  # the core closed its end after a shutdown
-            reason = e if isinstance(e, EngineDeadError) else EngineDeadError(
-                f"the engine core process exited (exit code {self._proc.exitcode})")
+                    case CoreDied(reason=reason):
+                        self._declare_dead(EngineDeadError(f"the engine core died: {reason}"))
+                        return
+        except (EOFError, OSError):
+            self._declare_dead(EngineDeadError("the engine was shut down" if self._stopping else
+                                               f"the engine core process exited (exit code {self._exit_code()})"))
+        except BaseException as e:  # noqa: BLE001 - without this thread no stream would ever end
+            log.exception("the engine's reader thread failed")
+            self._declare_dead(EngineDeadError(f"the engine's reader failed: {type(e).__name__}: {e}"))
+            self._proc.kill()                   # nobody reads its outputs any more
+
+    def _exit_code(self) -> Optional[int]:
+        self._proc.join(1)                      # the pipe closes a moment before the process is reaped
+        return self._proc.exitcode
+
+    def _watch(self) -> None:
+        period = min(1.0, self.watchdog_s / 4)
+        while not self._stop_watch.wait(period):
+            if self._stopping or self._error is not None:
+                return
+            if not self._proc.is_alive():
+                self._declare_dead(EngineDeadError(
+                    f"the engine core process exited (exit code {self._proc.exitcode})"))
+                return
+            silent = time.monotonic() - self._heartbeat.value
+            if silent > self.watchdog_s:
+                self._stuck = True
+                self._declare_dead(EngineDeadError(
+                    f"the engine core is stuck: no heartbeat for {silent:.1f} s (engine_watchdog_s="
+                    f"{self.watchdog_s:g})"))
+                return
+
+    def _declare_dead(self, reason: EngineDeadError) -> None:
+        """From now on the engine serves nothing: every open stream and pending call ends with `reason`."""
+        with self._dead_lock:
+            if self._error is not None:
+                return
+            self._error = reason                # set before the streams are read: a new stream checks it after
+        if not self._stopping:                  # registering, so none is missed
             log.error("%s", reason)
-            self._error = reason
-            self._publish([(rid, reason) for rid in list(self._streams)])
-            for fut in list(self._calls.values()):
+        self._publish([(rid, reason) for rid in list(self._streams)])
+        for call_id in list(self._calls):
+            fut = self._calls.pop(call_id, None)
+            if fut is not None:
                 fut.set_exception(reason)
-            self._calls.clear()
+        self._stop_watch.set()
 
     def _with_prompt(self, out: RequestOutput) -> RequestOutput:
-        """Prompt ids come with a request's first output only (engine_core.EngineCore.compact)."""
-        if out.prompt_token_ids is None:
-            out.prompt, out.prompt_token_ids = self._prompts.get(out.request_id, (None, []))
-        elif not out.finished:
-            self._prompts[out.request_id] = (out.prompt, out.prompt_token_ids)
-        if out.finished:
-            self._prompts.pop(out.request_id, None)
+        """The core sends outputs without their prompt (engine_core.EngineCore.compact): this side kept it."""
+        out.prompt, out.prompt_token_ids = self._prompts.get(out.request_id, (None, []))
         return out
 
     def _publish(self, items: list[tuple[str, object]]) -> None:
@@ -127,25 +189,43 @@ class AsyncLLMEngine:
             if entry is not None:
                 by_loop.setdefault(entry[0], []).append((entry[1], item))
         for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:                # that loop was closed; its streams are gone with it
+                pass
 
     def _send(self, msg: ClientMessage) -> None:
         with self._send_lock:
             self._to_core.send(msg)
 
     def _call(self, call: type[EngineCall], **fields):
-        if self._error is not None:
-            raise self._error
+        self._check_alive()
         fut: Future = Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
+        self._check_alive()                     # died while registering: _declare_dead may have missed it
         self._send(call(call_id, **fields))
         return fut.result(CALL_TIMEOUT_S)
 
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # ---- tokenization (worker threads) ----------------------------------------------------------
+    def _tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, ChatPrompt):
+            return None, self.tokenizer.encode_chat(prompt.messages, add_generation_prompt=True)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt", "the prompt is empty", "empty_prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
     # ---- the async API ----------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str, *,
+                       deadline: Optional[float] = None) -> AsyncIterator[RequestOutput]:
         """Every output of the request, one per engine step that touched it."""
-        batches = self.generate_batches(prompt, params, request_id)
+        batches = self.generate_batches(prompt, params, request_id, deadline=deadline)
         try:
             async for batch in batches:
                 for out in batch:
@@ -153,36 +233,56 @@ class AsyncLLMEngine:
         finally:
             await batches.aclose()
 
-    async def generate_batches(self, prompt: Prompt, params: SamplingParams,
-                               request_id: str) -> AsyncIterator[list[RequestOutput]]:
+    async def generate_batches(self, prompt: Prompt, params: SamplingParams, request_id: str, *,
+                               deadline: Optional[float] = None) -> AsyncIterator[list[RequestOutput]]:
         """The request's outputs in order, as lists of all that arrived while the consumer was busy: a consumer
         slower than the engine (a network hop per item) gets fewer, larger items instead of falling behind.
-        `prompt` may be a `ChatPrompt`: the core applies the chat template (ValueError if it refuses)."""
-        if self._error is not None:
-            raise self._error
+        `prompt`: text, token ids, or a `ChatPrompt` (ValueError if the chat template refuses it); it is tokenized
+        in a worker thread. `deadline`: an absolute `loop.time()`; past it the request is aborted and the stream
+        raises RequestTimeout. Refusals: RequestError (a 400), EngineDeadError (the engine is down)."""
+        self._check_alive()
         if request_id in self._streams:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._send(AddRequest(request_id, prompt, params))
-        finished = False
+        self._streams[request_id] = (loop, q)
+        timer = None
+        sent = finished = False
         try:
+            self._check_alive()                 # died while registering: _declare_dead may have missed it
+            if deadline is not None:
+                timer = loop.call_at(deadline, q.put_nowait, RequestTimeout(
+                    f"request {request_id!r} passed its deadline"))
+            check_params(params, self.config.limits)
+            text, ids = await loop.run_in_executor(self._tokenize_pool, self._tokenize, prompt)
+            check_prompt(ids, params, self.max_model_len)
+            if deadline is not None and loop.time() >= deadline:
+                raise RequestTimeout(f"request {request_id!r} passed its deadline")
+            self._check_alive()
+            self._prompts[request_id] = (text, ids)
+            self._send(AddRequest(request_id, ids, params))
+            sent = True
             while not finished:
                 items = [await q.get()]
                 while not q.empty():
                     items.append(q.get_nowait())
-                for item in items:
-                    if isinstance(item, BaseException):
-                        raise item
-                finished = items[-1].finished
-                yield items
+                error = next((i for i in items if isinstance(i, BaseException)), None)
+                if error is not None:
+                    items = items[:items.index(error)]
+                if items:
+                    finished = items[-1].finished
+                    yield items
+                if error is not None and not finished:
+                    raise error
         finally:
+            if timer is not None:
+                timer.cancel()
             self._streams.pop(request_id, None)
-            if not finished:
+            self._prompts.pop(request_id, None)
+            if sent and not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._prompts.pop(request_id, None)
         try:
             self._send(AbortRequest(request_id))
         except OSError:                 # the core is gone: nothing left to abort (the reader reports why)
@@ -199,26 +299,55 @@ class AsyncLLMEngine:
         return self._call(Reconfigure, max_num_batched_tokens=max_num_batched_tokens, elastic=elastic,
                           speculation=speculation)
 
+    def health(self) -> EngineHealth:
+        """Whether the core serves: alive (not exited, not stuck, not declared dead), stuck (no heartbeat for more
+        than the watchdog period), the heartbeat's age and a one-line detail."""
+        silent = max(0.0, time.monotonic() - self._heartbeat.value)
+        running = self._proc.is_alive()
+        stuck = self._stuck or (running and silent > self.watchdog_s and not self._stopping)
+        if self._error is not None:
+            detail = str(self._error)
+        elif not running:
+            detail = f"the engine core process exited (exit code {self._proc.exitcode})"
+        elif stuck:
+            detail = f"no heartbeat for {silent:.1f} s (engine_watchdog_s={self.watchdog_s:g})"
+        else:
+            detail = "ok"
+        return EngineHealth(running and not stuck and self._error is None and not self._stopping, stuck, silent,
+                            detail)
+
     def is_alive(self) -> bool:
-        return self._proc.is_alive() and self._error is None
+        return self.health().alive
 
     def shutdown(self) -> None:
-        """Stop the core (it shuts its ranks' group down), then the ranks' launcher."""
-        if self._proc.is_alive() and self._error is None:
-            self._stopping = True
+        """Stop the core (it shuts its ranks' group down), then the ranks' launcher. A dead or stuck core is killed
+        at once."""
+        healthy = self.is_alive()
+        self._stopping = True
+        self._stop_watch.set()
+        if healthy:
             try:
                 self._send(Shutdown())
             except OSError:
                 pass
-        self._proc.join(60)
+            self._proc.join(60)
         if self._proc.is_alive():
-            log.warning("the engine core did not stop within 60 s; killing it")
+            if healthy:
+                log.warning("the engine core did not stop within 60 s; killing it")
             self._proc.kill()
             self._proc.join(5)
         self._reader.join(5)
+        self._watchdog.join(5)
+        self._declare_dead(EngineDeadError("the engine was shut down"))     # streams still open end here
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self._to_core.close()
         if self.launcher is not None:
             self.launcher.shutdown()
+
+
+def _load_tokenizer(config: EngineConfig):
+    from replicas.loaders import load_checkpoint
+    return load_checkpoint(config.model, config.load_format).tokenizer
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

@@ -9,16 +9,22 @@ and fans the step outputs out to its streams.
 Messages (replicas/engine_messages.py), one class per kind, pickled over the pipes:
   client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
   core -> client:  Ready(EngineInfo) | Outputs([RequestOutput]) | RequestFailed(request_id, error) |
-                   Reply(call_id, ok, value) | CoreDied(traceback)
+                   Reply(call_id, ok, value) | CoreDied(reason)
 The core answers each call (GetStats, DrainFinishedTimings, Reconfigure) with one Reply between two steps.
-A request's prompt ids travel with its first output only (the client keeps them for the later ones). With
-`EngineConfig.serving.stream_item_ms` set, each of n requests reports at most every (n - 1) x that, an output
+Prompts arrive as token ids (the client tokenizes them) and outputs leave without them (the client keeps them).
+With `EngineConfig.serving.stream_item_ms` set, each of n requests reports at most every (n - 1) x that, an output
 carrying everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
+
+Liveness: the core writes the monotonic time into the shared `heartbeat` before and after every step and at least
+every IDLE_BEAT_S while it waits for input; the client's watchdog reads it. Failures: a request the engine cannot
+take, or that the engine ended with an error (its own failure, or a failed step: replicas/engine.py), gets a
+RequestFailed and the core goes on. Any other error ends the core: CoreDied carries a one-line reason, and the
+traceback goes to this process's log.
 """
 from __future__ import annotations
 
 import logging
-import traceback
+import time
 from multiprocessing.connection import Connection
 from typing import Optional
 
@@ -29,16 +35,19 @@ from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, Clie
                                       Reconfigure, Reply, RequestFailed, Shutdown)
 from replicas.outputs import RequestOutput
 
-__all__ = ["ChatPrompt", "EngineCore", "EngineInfo", "Prompt", "portable_error", "run_engine_core"]
+__all__ = ["ChatPrompt", "EngineCore", "EngineInfo", "IDLE_BEAT_S", "Prompt", "portable_error", "run_engine_core"]
 
 log = logging.getLogger(__name__)
 
+IDLE_BEAT_S = 0.5             # the longest the heartbeat goes unwritten while the core waits for input
+
 
 def portable_error(e: BaseException) -> BaseException:
-    """An exception the client can unpickle: RequestError pickles itself; other ValueErrors keep their message and
+    """An exception the client can unpickle, with no traceback in its text: RequestError pickles itself and
+    EngineStepError and plain ValueError / RuntimeError pickle as they are; other ValueErrors keep their message and
     type family (the replica maps ValueError to HTTP 400); anything else becomes a RuntimeError naming it."""
-    from replicas.request import RequestError
-    if isinstance(e, RequestError) or type(e) is ValueError:
+    from replicas.request import EngineStepError, RequestError
+    if isinstance(e, (RequestError, EngineStepError)) or type(e) in (ValueError, RuntimeError):
         return e
     if isinstance(e, ValueError):
         return ValueError(str(e))
@@ -46,26 +55,38 @@ def portable_error(e: BaseException) -> BaseException:
 
 
 class EngineCore:
-    def __init__(self, engine, inputs: Connection, outputs: Connection):
+    def __init__(self, engine, inputs: Connection, outputs: Connection, heartbeat=None):
+        """heartbeat: a shared double (multiprocessing.Value("d")) the core keeps at the monotonic time of its
+        last sign of life."""
         self.engine = engine
         self.inputs, self.outputs = inputs, outputs
-        self.prompt_sent: set[str] = set()
+        self.heartbeat = heartbeat
         self.stopping = False
+
+    def beat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.value = time.monotonic()
 
     def run(self) -> None:
         engine = self.engine
         while not self.stopping:
-            busy = engine.has_unfinished
-            # Idle: block until a message (or the client's end closing) arrives; busy: take what is there.
-            while self.inputs.poll(0 if busy else None):
+            self.beat()
+            if not engine.has_unfinished:
+                # Idle: wait for a message (or the client's end closing), beating while nothing comes.
+                while not self.inputs.poll(IDLE_BEAT_S):
+                    self.beat()
+            while self.inputs.poll(0):
                 self.handle(self.inputs.recv())
                 if self.stopping:
                     return
-                busy = True
             if engine.has_unfinished:
+                self.beat()
                 outputs = engine.step()
+                self.beat()
                 if outputs:
                     self.outputs.send(Outputs(self.compact(outputs)))
+            for rid, error in engine.take_failed():
+                self.outputs.send(RequestFailed(rid, portable_error(error)))
 
     def handle(self, msg: ClientMessage) -> None:
         match msg:
@@ -73,7 +94,6 @@ class EngineCore:
                 self.add(msg)
             case AbortRequest(request_id=rid):
                 self.engine.abort(rid)
-                self.prompt_sent.discard(rid)
             case GetStats(call_id=call_id):
                 self.answer(call_id, self.engine.get_stats)
             case DrainFinishedTimings(call_id=call_id):
@@ -88,12 +108,11 @@ class EngineCore:
                 raise TypeError(f"unknown engine core message {msg!r}")
 
     def add(self, msg: AddRequest) -> None:
-        prompt = msg.prompt
         try:
-            if isinstance(prompt, ChatPrompt):
-                prompt = self.engine.tokenizer.encode_chat(prompt.messages, add_generation_prompt=True)
-            self.engine.add_request(msg.request_id, prompt, msg.params)
-        except ValueError as e:                   # RequestError, or the chat template refused the messages
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+        except Exception as e:  # noqa: BLE001 - one request's failure is that request's, never the core's
+            if not isinstance(e, ValueError):
+                log.error("request %s could not be added", msg.request_id, exc_info=True)
             self.outputs.send(RequestFailed(msg.request_id, portable_error(e)))
 
     def answer(self, call_id: int, call) -> None:
@@ -102,19 +121,16 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - a failed call (or an unpicklable value) is the caller's error
             self.outputs.send(Reply(call_id, False, portable_error(e)))
 
-    def compact(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    @staticmethod
+    def compact(outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The client has every request's prompt: outputs cross the pipe without it."""
         for out in outputs:
-            if out.request_id in self.prompt_sent:
-                out.prompt, out.prompt_token_ids = None, None
-            elif not out.finished:
-                self.prompt_sent.add(out.request_id)
-            if out.finished:
-                self.prompt_sent.discard(out.request_id)
+            out.prompt, out.prompt_token_ids = None, None
         return outputs
 
 
 def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Connection,
-                    outputs: Connection) -> None:
+                    outputs: Connection, heartbeat=None) -> None:
     """The core process's whole life. Ranks 1..TP-1, if any, were started by the client at `init_method`."""
     from replicas.engine import LLMEngine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -123,14 +139,16 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         launcher = LaunchedRanks(init_method) if config.tensor_parallel_size > 1 else None
         engine = LLMEngine(config, worker_launcher=launcher)
         vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
+        core = EngineCore(engine, inputs, outputs, heartbeat)
+        core.beat()
         outputs.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, vocab, engine.elastic is not None)))
-        EngineCore(engine, inputs, outputs).run()
+        core.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("the serving process went away; the engine core stops")
-    except BaseException:  # noqa: BLE001 - the client must learn why, not just see the pipe close
-        log.error("engine core died: %s", traceback.format_exc())
+    except BaseException as e:  # noqa: BLE001 - the client must learn why, not just see the pipe close
+        log.error("engine core died", exc_info=True)
         try:
-            outputs.send(CoreDied(traceback.format_exc()))
+            outputs.send(CoreDied(f"{type(e).__name__}: {e}"))
         except OSError:
             pass
     finally:

@@ -1,5 +1,6 @@
 """The messages between AsyncLLMEngine and its engine core process (replicas/engine_core.py): one class per kind,
-pickled over the two pipes. The core dispatches on the message's type.
+pickled over the two pipes. The core dispatches on the message's type. Prompts cross as token ids: the client
+tokenizes (and applies chat templates), so the core's step loop never does.
 
 client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
 core -> client:  Ready (once, first) | Outputs | RequestFailed | Reply (one per call) | CoreDied (last)
@@ -15,11 +16,11 @@ from replicas.sampling_params import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """Chat messages that the core turns into prompt ids with the model's chat template."""
+    """Chat messages that AsyncLLMEngine turns into prompt ids with the model's chat template."""
     messages: list[dict]
 
 
-Prompt = Union[str, list[int], ChatPrompt]
+Prompt = Union[str, list[int], ChatPrompt]          # what AsyncLLMEngine takes
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class EngineInfo:
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     request_id: str
-    prompt: Prompt
+    prompt_token_ids: list[int]
     params: SamplingParams
 
 
@@ -101,7 +102,7 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class CoreDied:
-    traceback: str
+    reason: str                       # one line for clients; the core logged the traceback
 
 
 CoreMessage = Union[Ready, Outputs, RequestFailed, Reply, CoreDied]
