@@ -13,7 +13,7 @@ from ray.serve import Application
 
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES
 from cluster.rank_actor import rank_bundle
-from cluster.replica import LLMReplica
+from cluster.replica import DEFAULT_REQUEST_TIMEOUT_S, LLMReplica
 from replicas import envs
 from replicas.config import EngineConfig, unknown_settings_message
 from replicas.device import resolve_device
@@ -48,6 +48,7 @@ class AppArgs(BaseModel):
     max_queued_requests: int = Field(256, ge=-1)  # per replica, waiting beyond max_ongoing; beyond -> 503 (-1: no cap)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     graceful_shutdown_timeout_s: float = Field(120.0, ge=0)   # a stopping replica's drain of in-flight requests
+    request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)   # a request still running then: aborted, 504
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -105,4 +106,5 @@ def build_app(args: AppArgs) -> Application:
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         user_config=args.knobs,
     ).bind(config, args.cpus_per_rank, queue_limit=queue_limit, api_key=args.api_key,
-           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+           request_timeout_s=args.request_timeout_s)

@@ -2,17 +2,20 @@
 
 Status rules: unparsable JSON and out-of-range values are 400, a body of the wrong shape or
 types (pydantic schema) is 422, a missing or wrong API key 401, an unknown model or route 404,
-an oversized body 413, an overloaded or dead replica 503.
+an oversized body 413, anything unexpected 500 ("internal error" and the request id; the
+traceback goes to the server's log only), an overloaded replica or a dead or stuck engine 503,
+a request past its deadline 504.
 """
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("tidal.ingress")
@@ -25,7 +28,20 @@ _TYPE_BY_STATUS = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     503: "server_error",
+    504: "server_error",
 }
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (the OpenAPI description of 4xx and 5xx)."""
+    error: ErrorObject
 
 
 class OpenAIError(Exception):
@@ -59,6 +75,29 @@ def model_not_found(model: str, served: str) -> OpenAIError:
 
 def overloaded(message: str) -> OpenAIError:
     return OpenAIError(503, message, None, "overloaded")
+
+
+def engine_unavailable(request_id: str) -> OpenAIError:
+    return OpenAIError(503, f"This replica's engine is unavailable; retry (request {request_id}).", None,
+                       "engine_unavailable")
+
+
+def request_timeout(timeout_s: float, request_id: str) -> OpenAIError:
+    return OpenAIError(504, f"The request did not finish within {timeout_s:g} s and was aborted "
+                       f"(request {request_id}).", None, "timeout")
+
+
+def internal_error(request_id: str) -> OpenAIError:
+    return OpenAIError(500, f"internal error (request {request_id})", None, "internal_error", "server_error")
+
+
+def public_error(exc: BaseException, request_id: str) -> OpenAIError:
+    """What a client may see of an exception: an OpenAIError as it is; anything else is logged here with its
+    traceback and the request id, and the client gets only "internal error" and the id."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    logger.error("request %s failed", request_id, exc_info=exc)
+    return internal_error(request_id)
 
 
 def from_validation_error(exc: ValidationError) -> OpenAIError:
@@ -109,7 +148,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return OpenAIError(exc.status_code, str(exc.detail), None, None).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception):
-        logger.exception("unhandled error in the ingress")
-        return OpenAIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
-                           None, "internal_error", "server_error").response()
+    async def _unexpected(request: Request, exc: Exception):
+        request_id = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex}"
+        return public_error(exc, request_id).response()

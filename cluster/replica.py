@@ -18,11 +18,13 @@ from typing import AsyncIterator, Optional, Union
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from cluster.errors import OpenAIError, engine_unavailable, request_timeout
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, OpenAIRoutes, app
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
 from cluster.replica_metrics import MetricsPump
-from replicas.async_engine import AsyncLLMEngine, ChatPrompt, RequestError
+from replicas.async_engine import (AsyncLLMEngine, ChatPrompt, EngineDeadError, EngineStepError, RequestError,
+                                   RequestTimeout)
 from replicas import envs
 from replicas.config import EngineConfig
 from replicas.outputs import RequestOutput
@@ -32,6 +34,7 @@ from replicas.stats import EngineStats
 logger = logging.getLogger("tidal.replica")
 
 RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 def replica_engine_config(config: EngineConfig) -> EngineConfig:
@@ -89,14 +92,20 @@ def _failure(e: Exception, default_param: str) -> StreamFailure:
     return StreamFailure(400, str(e), getattr(e, "param", None) or default_param, code)
 
 
+def _as_failure(e) -> StreamFailure:
+    return StreamFailure(e.status, e.message, e.param, e.code)
+
+
 class EngineReplica(OpenAIRoutes):
     """One engine and the routes in front of it; `LLMReplica` is this class as a Serve ingress deployment."""
 
     def __init__(self, engine_config: EngineConfig, cpus_per_rank: float = 1.0, *, queue_limit: int = 1 << 30,
                  api_key: Optional[str] = None, served_model_name: Optional[str] = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        """queue_limit: jobs in flight (generating or waiting in the engine) beyond which new ones get a 503."""
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+        """queue_limit: jobs in flight (generating or waiting in the engine) beyond which new ones get a 503;
+        request_timeout_s: a job still running that long after it arrived is aborted (a 504, or in-band)."""
         self._init_routes(api_key, served_model_name, max_body_bytes)
+        self.request_timeout_s = request_timeout_s
         self.replica_id = _replica_id()
         self.queue_limit = queue_limit
         self.launcher: Optional[RayRankLauncher] = None
@@ -118,7 +127,8 @@ class EngineReplica(OpenAIRoutes):
                                 "retry later.", None, "overloaded")
             return
         param = "messages" if job.messages is not None else "prompt"
-        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id)
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id, deadline=deadline)
         started = False
         reported: set[int] = set()
         self._streams += 1
@@ -130,15 +140,33 @@ class EngineReplica(OpenAIRoutes):
                     yield StreamStart(self.replica_id, len(outs[0].prompt_token_ids), deltas)
                 elif deltas:
                     yield deltas
-        except Exception as e:
+        except RequestTimeout:
+            logger.warning("request %s passed its deadline (%g s) and was aborted", job.request_id,
+                           self.request_timeout_s)
+            if started:
+                raise request_timeout(self.request_timeout_s, job.request_id) from None
+            yield _as_failure(request_timeout(self.request_timeout_s, job.request_id))
+        except EngineDeadError as e:
+            logger.error("request %s failed: %s", job.request_id, e)
+            if started:
+                raise engine_unavailable(job.request_id) from None
+            yield _as_failure(engine_unavailable(job.request_id))
+        except EngineStepError as e:  # the step running it failed; the engine goes on, so a retry may pass
+            logger.error("request %s failed: %s", job.request_id, e)
+            error = OpenAIError(503, f"{e}; retry (request {job.request_id}).", None, "engine_step_failed")
+            if started:
+                raise error from None
+            yield _as_failure(error)
+        except ValueError as e:       # RequestError (empty or too long prompt, bad ids) or a refused chat
             if started:
                 raise
-            if isinstance(e, ValueError):  # RequestError (empty or too long prompt, bad ids) or a refused chat
-                yield _failure(e, param)
-            elif not self.engine.is_alive():
-                yield StreamFailure(503, f"this replica's engine is down ({e}); retry", None, "engine_unavailable")
-            else:
+            yield _failure(e, param)
+        except OSError:               # the core's pipe closed before the reader thread saw it die
+            if self.engine.is_alive():
                 raise
+            if started:
+                raise engine_unavailable(job.request_id) from None
+            yield _as_failure(engine_unavailable(job.request_id))
         finally:
             self._streams -= 1
             await stream.aclose()
@@ -187,11 +215,23 @@ class EngineReplica(OpenAIRoutes):
             applied.append((knob, value, reason))
         return applied
 
-    def check_health(self) -> None:
-        if not self.engine.is_alive():
-            raise RuntimeError("the engine loop is not running")
+    def engine_problem(self) -> Optional[str]:
+        """None while the engine serves, else why not, in a few words a client may see: /health answers 503 and
+        `check_health` fails (with the details), so Serve replaces this replica."""
+        health = self.engine.health()
+        if health.stuck:
+            return f"its core has not stepped for {health.seconds_since_heartbeat:.0f} s"
+        if not health.alive:
+            return "its core is not running"
         if self.launcher is not None and self.launcher.exited_ranks():
-            raise RuntimeError(f"TP ranks {self.launcher.exited_ranks()} exited")
+            return f"TP ranks {self.launcher.exited_ranks()} exited"
+        return None
+
+    def check_health(self) -> None:
+        problem = self.engine_problem()
+        if problem is not None:
+            raise RuntimeError(f"replica {self.replica_id}: the engine is unavailable: {problem} "
+                               f"({self.engine.health().detail})")
 
     def __del__(self):
         # Serve calls this after in-flight requests drained (graceful_shutdown_timeout_s).
@@ -204,9 +244,10 @@ class EngineReplica(OpenAIRoutes):
             engine.shutdown()
 
 
+# Serve replaces a replica after three failed checks in a row: with a dead or stuck engine, within ~6 s.
 LLMReplica = serve.deployment(
     name="LLMReplica",
-    health_check_period_s=5,
+    health_check_period_s=2,
     health_check_timeout_s=30,
     graceful_shutdown_wait_loop_s=0.5,
     graceful_shutdown_timeout_s=120,

@@ -19,6 +19,11 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class HealthStatus(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

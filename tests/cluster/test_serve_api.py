@@ -135,3 +135,41 @@ def test_batch_of_prompts_numbers_choices_per_prompt(client, model):
     single = [client.completions.create(model=model, prompt=p, max_tokens=3, temperature=0).choices[0].text
               for p in prompts]
     assert [by_index[0], by_index[1], by_index[2], by_index[3]] == [single[0]] * 2 + [single[1]] * 2
+
+
+@pytest.mark.timeout(120, func_only=True)
+def test_openapi_describes_the_request_and_response_models(tidal_server, model):
+    """/openapi.json declares each generation route's request body and every route's answers, and real answers
+    validate against it."""
+    jsonschema = pytest.importorskip("jsonschema")
+    spec = requests.get(f"{tidal_server}/openapi.json", timeout=30).json()
+
+    def check(instance, ref: str) -> None:
+        jsonschema.validate(instance, {"$ref": ref, "components": spec["components"]})
+
+    def ref(op: dict, status: str, media: str = "application/json") -> str:
+        return op["responses"][status]["content"][media]["schema"]["$ref"]
+
+    schemas = spec["components"]["schemas"]
+    assert "prompt" in schemas["CompletionRequest"]["required"]
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    routes = {"/v1/completions": ("CompletionRequest", {"model": model, "prompt": "Hi", "max_tokens": 2}),
+              "/v1/chat/completions": ("ChatCompletionRequest", {"model": model, "max_tokens": 2,
+                                                                 "messages": [{"role": "user", "content": "Hi"}]})}
+    for path, (request_model, body) in routes.items():
+        op = spec["paths"][path]["post"]
+        body_ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert body_ref == f"#/components/schemas/{request_model}" and op["requestBody"]["required"]
+        check(body, body_ref)
+        assert "text/event-stream" in op["responses"]["200"]["content"]
+        assert {ref(op, s) for s in ("400", "401", "404", "413", "422", "500", "503", "504")} == \
+            {"#/components/schemas/ErrorResponse"}
+        check(requests.post(f"{tidal_server}{path}", json=body, timeout=120).json(), ref(op, "200"))
+        not_found = requests.post(f"{tidal_server}{path}", json={**body, "model": "nope"}, timeout=30)
+        assert not_found.status_code == 404
+        check(not_found.json(), ref(op, "404"))
+    models = spec["paths"]["/v1/models"]["get"]
+    check(requests.get(f"{tidal_server}/v1/models", timeout=30).json(), ref(models, "200"))
+    health = spec["paths"]["/health"]["get"]
+    check(requests.get(f"{tidal_server}/health", timeout=30).json(), ref(health, "200"))
+    assert ref(health, "503") == "#/components/schemas/ErrorResponse"

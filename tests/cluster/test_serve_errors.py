@@ -1,7 +1,9 @@
 """Bad input gets the right status and an OpenAI error object, and the server keeps serving.
-A client that leaves mid-stream aborts its request: afterwards no KV block is in use."""
+A client that leaves mid-stream aborts its request: afterwards no KV block is in use. A failure after the first
+token ends a stream with an error event and [DONE], and no client sees a traceback."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -20,7 +22,8 @@ CASES = {
     "malformed json": (COMPLETIONS, b'{"model": "x", "prompt": ', 400, None, "invalid_json"),
     "body not an object": (COMPLETIONS, b"[1, 2]", 422, None, "invalid_body"),
     "missing prompt": (COMPLETIONS, {"model": MODEL}, 422, "prompt", None),
-    "max_tokens a string": (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": "lots"}, 422, "max_tokens", None),
+    "max_tokens a string": (COMPLETIONS, {"model": MODEL, "prompt": "a", "max_tokens": "lots"}, 422, "max_tokens",
+                            None),
     "temperature a string": (CHAT, {"model": MODEL, "messages": USER, "temperature": "0.5"}, 422, "temperature", None),
     "messages not a list": (CHAT, {"model": MODEL, "messages": "hi"}, 422, "messages", None),
     "content a number": (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, 422,
@@ -116,3 +119,110 @@ def test_disconnect_mid_stream_frees_kv_blocks(tidal_server):
         assert time.monotonic() < deadline, f"blocks still in use after the client left: {stats}"
         time.sleep(0.5)
     assert all(s["kv_blocks_total"] > 0 for s in stats)
+
+
+@pytest.mark.timeout(60, func_only=True)
+def test_chunked_body_over_the_limit_is_refused_while_it_is_read(tidal_server):
+    """A body with no Content-Length (chunked) gets the OpenAI 413 once it passes the limit, not after 20 MiB."""
+    import aiohttp
+
+    async def chunks():
+        piece = b'{"model": "' + b"x" * (1 << 16)
+        yield piece
+        for _ in range((20 << 20) // len(piece)):
+            yield b"x" * len(piece)
+
+    async def send() -> tuple[int, dict]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.post(f"{tidal_server}{COMPLETIONS}", data=chunks(),
+                                    headers={"Content-Type": "application/json"}) as r:
+                assert r.request_info.headers.get("Transfer-Encoding") == "chunked"
+                return r.status, await r.json()
+
+    status, body = asyncio.run(send())
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+
+
+# ---- the routes' own failure handling, on a stand-in replica in this process -----------------------
+
+class _ScriptedReplica:
+    """Each prompt is a script: "ok" generates two tokens, "hang" one and then waits, "fail" one and then raises
+    a bare exception (an internal error), "dead" one and then the replica's engine-unavailable error."""
+
+    def __init__(self):
+        self.closed: list[str] = []
+
+    def model_identity(self):
+        return "scripted", 64
+
+    def engine_problem(self):
+        return None
+
+    async def generate(self, job):
+        from cluster.errors import engine_unavailable
+        from cluster.protocol import ChoiceDelta, StreamStart
+        try:
+            yield StreamStart("r", 1, [ChoiceDelta(0, "a", [1], None, None)])
+            await asyncio.sleep(0.05)
+            if job.prompt == "fail":
+                raise RuntimeError("Traceback (most recent call last): secret internals")
+            if job.prompt == "dead":
+                raise engine_unavailable(job.request_id)
+            if job.prompt == "hang":
+                await asyncio.sleep(3600)
+            yield [ChoiceDelta(0, "b", [2], None, "length")]
+        finally:
+            self.closed.append(job.prompt)
+
+
+@pytest.fixture()
+def scripted(monkeypatch):
+    """The real routes (cluster.ingress.app, as Serve mounts them on LLMReplica) in front of `_ScriptedReplica`."""
+    from types import SimpleNamespace
+
+    from ray import serve
+    from starlette.testclient import TestClient
+
+    import cluster.replica  # noqa: F401  (mounts the routes on the class, as Serve does)
+    from cluster.ingress import OpenAIRoutes, app
+
+    replica = type("Scripted", (_ScriptedReplica, OpenAIRoutes), {})()
+    replica._init_routes(None, None, 1 << 20)
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=replica))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, replica
+
+
+def _events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failing", ["fail", "dead"])
+def test_a_prompt_failing_mid_stream_ends_the_stream_with_an_error_and_done(scripted, failing):
+    client, replica = scripted
+    r = client.post(COMPLETIONS, json={"model": "scripted", "prompt": ["ok", failing, "hang"], "stream": True})
+    assert r.status_code == 200
+    events = _events(r.text)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    request_id = json.loads(events[0])["id"]
+    if failing == "fail":
+        assert (error["code"], error["type"]) == ("internal_error", "server_error")
+        assert error["message"] == f"internal error (request {request_id})"
+    else:
+        assert error["code"] == "engine_unavailable" and request_id in error["message"]
+    assert sorted(replica.closed) == ["fail" if failing == "fail" else "dead", "hang", "ok"], \
+        "every prompt's stream is closed (its request aborted)"
+
+
+@pytest.mark.timeout(60)
+def test_failures_after_the_first_token_get_a_status_without_internals(scripted):
+    client, replica = scripted
+    r = client.post(COMPLETIONS, json={"model": "scripted", "prompt": ["hang", "fail"]})
+    error = r.json()["error"]
+    assert r.status_code == 500 and error["code"] == "internal_error"
+    assert error["message"].startswith("internal error (request cmpl-") and "Traceback" not in r.text
+    r = client.post(COMPLETIONS, json={"model": "scripted", "prompt": "dead"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert sorted(replica.closed) == ["dead", "fail", "hang"]
