@@ -76,6 +76,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--controller", action="store_true",
                    help="run the fleet controller: re-tunes max_num_batched_tokens and elastic lending from stats")
     p.add_argument("--controller-interval", type=float, default=5.0, help="seconds between controller rounds")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="a request still running this long is aborted: a 504, or an in-band error on a stream")
     add_engine_arguments(p.add_argument_group(
         "engine", "EngineConfig settings of every replica (replicas/config.py); left out: the engine's default"))
     p.set_defaults(func=run_serve)
@@ -106,7 +108,8 @@ def serve_app_args(args: argparse.Namespace):
     cpus_per_rank = max(1, (os.cpu_count() or 1) // (args.replicas * tp)) if device == "cpu" else 1
     return AppArgs(served_model_name=args.served_model_name, num_replicas=args.replicas, api_key=args.api_key,
                    cpus_per_rank=cpus_per_rank, max_ongoing_requests=args.max_ongoing_requests,
-                   max_queued_requests=args.max_queued_requests, engine_kwargs=engine, knobs=_knobs(args.knob))
+                   max_queued_requests=args.max_queued_requests, engine_kwargs=engine, knobs=_knobs(args.knob),
+                   request_timeout_s=args.request_timeout_s)
 
 
 def run_serve(args: argparse.Namespace) -> int:
