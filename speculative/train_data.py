@@ -10,6 +10,7 @@ import codecs
 import hashlib
 import json
 import random
+import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -65,13 +66,24 @@ def sharegpt_prompts(split: str = "train", heldout_per_mille: int = 20, limit: O
     return prompts
 
 
-def read_pairs(path: str) -> list[Pair]:
+def read_pairs(path: str, shard: int = 0, num_shards: int = 1) -> list[Pair]:
+    """The pairs on lines shard, shard + num_shards, ... (a data-parallel worker's share); empty responses
+    are skipped."""
     with open(path) as f:
-        return [(r["prompt_ids"], r["response_ids"]) for r in map(json.loads, f) if r["response_ids"]]
+        rows = (json.loads(line) for i, line in enumerate(f) if i % num_shards == shard)
+        return [(r["prompt_ids"], r["response_ids"]) for r in rows if r["response_ids"]]
 
 
-def write_pairs(path: str, pairs: Sequence[Pair]) -> None:
-    with open(path, "w") as f:
+def count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def write_pairs(path: str, pairs: Sequence[Pair], append: bool = False) -> None:
+    with open(path, "a" if append else "w") as f:
         for prompt, response in pairs:
             f.write(json.dumps({"prompt_ids": list(prompt), "response_ids": list(response)}) + "\n")
 
@@ -82,6 +94,67 @@ def regenerate(llm, prompts: Sequence[str], max_tokens: int = 512, temperature: 
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+
+
+def regenerate_to_file(path: str, prompts: Sequence[str], target: Optional[str], max_tokens: int,
+                       engines: int = 1, seconds: float = 0.0, chunk: int = 512) -> dict:
+    """Append the target's answers to `prompts` to the jsonl `path`, one line per prompt in order, starting
+    after the lines already there (so an interrupted regeneration continues). `engines` > 1 runs one engine
+    per GPU as Ray actors (Ray must be initialised), each answering its slice of every chunk of
+    `chunk * engines` prompts, which the engine batches as offline generation does. Stops between chunks once
+    `seconds` (> 0) have passed. Returns what was done and at what rate."""
+    done_before = count_lines(path)
+    todo = list(prompts[done_before:])
+    generate, stop = _engines(target, engines)
+    start, written, tokens = time.perf_counter(), 0, 0
+    try:
+        step = chunk * engines
+        for i in range(0, len(todo), step):
+            pairs = generate(todo[i:i + step], max_tokens)
+            write_pairs(path, pairs, append=True)
+            written += len(pairs)
+            tokens += sum(len(r) for _, r in pairs)
+            elapsed = time.perf_counter() - start
+            print(f"regenerated {done_before + written}/{len(prompts)} pairs, {tokens} response tokens in "
+                  f"{elapsed:.0f} s ({tokens / elapsed:,.0f} tok/s)", flush=True)
+            if seconds and elapsed > seconds:
+                break
+    finally:
+        stop()
+    elapsed = time.perf_counter() - start
+    return {"pairs_before": done_before, "pairs_written": written, "response_tokens": tokens,
+            "seconds": round(elapsed, 1), "response_tokens_per_s": round(tokens / elapsed, 1) if written else None,
+            "engines": engines, "complete": done_before + written >= len(prompts)}
+
+
+def _engines(target: Optional[str], engines: int):
+    """(generate(prompts, max_tokens) -> pairs in prompt order, stop()) over `engines` tidal engines."""
+    from replicas.llm import LLM
+    if engines <= 1:
+        llm = LLM(model=target)
+        return (lambda prompts, max_tokens: regenerate(llm, prompts, max_tokens)), llm.shutdown
+    import ray
+
+    @ray.remote(num_gpus=1)
+    class Engine:
+        def __init__(self):
+            self.llm = LLM(model=target)
+
+        def answer(self, prompts, max_tokens):
+            return regenerate(self.llm, prompts, max_tokens)
+
+    actors = [Engine.remote() for _ in range(engines)]
+
+    def generate(prompts, max_tokens):
+        per = -(-len(prompts) // engines)
+        slices = [prompts[j * per:(j + 1) * per] for j in range(engines)]
+        results = ray.get([a.answer.remote(s, max_tokens) for a, s in zip(actors, slices) if s])
+        return [pair for result in results for pair in result]
+
+    def stop():
+        for actor in actors:
+            ray.kill(actor)
+    return generate, stop
 
 
 @dataclass
