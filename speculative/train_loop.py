@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.train_checkpoint import (SHARD_BYTES, find_checkpoint, optimizer_state_dict, optimizer_tensors,
-                                          read_checkpoint, write_checkpoint)
+                                          read_checkpoint, read_manifest, write_checkpoint)
 from speculative.train_data import PairBatcher, TrainBatch
 
 
@@ -182,13 +182,24 @@ class Trainer:
         self.stopped_early = False
         os.makedirs(out_dir, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        source = find_checkpoint(resume_from or self.ckpt_parent)
-        if resume_from and source is None:
-            raise FileNotFoundError(f"no checkpoint in {resume_from}")
+        source = self._newest_checkpoint(resume_from)
         if source:
             self.resume(source)
         self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma)
         self.model = wrap(self.loss_module) if wrap else self.loss_module
+
+    def _newest_checkpoint(self, resume_from: Optional[str]) -> Optional[str]:
+        """`resume_from`'s checkpoint, unless this run's own is as far or further (so a call repeated with the
+        same --resume continues where the last one stopped)."""
+        own = find_checkpoint(self.ckpt_parent)
+        if not resume_from:
+            return own
+        given = find_checkpoint(resume_from)
+        if given is None:
+            raise FileNotFoundError(f"no checkpoint in {resume_from}")
+        if own and read_manifest(own)["step"] >= read_manifest(given)["step"]:
+            return own
+        return given
 
     @property
     def finished(self) -> bool:
