@@ -12,6 +12,7 @@ inside the training step. `run.json` in the output folder records which data and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -23,7 +24,8 @@ from typing import Optional
 import torch
 
 from speculative.train_checkpoint import find_checkpoint
-from speculative.train_distributed import TrainJob, local_ray, run_training, worker_count
+from speculative.train_distributed import (TrainJob, local_ray, ray_train_available, run_in_process, run_training,
+                                          worker_count)
 from speculative.train_loop import (HFTarget, TrainConfig, Trainer, block_losses, device_peak_flops, step_flops,
                                     training_mask)
 
@@ -50,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--workers", type=int, default=0, help="data-parallel workers (default: one per GPU, else 1)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--launcher", default="auto", choices=("auto", "ray", "local"),
+                   help="ray: Ray Train workers; local: one worker in this process, no Ray; auto: ray where "
+                        "ray[train] is installed")
     for f in fields(TrainConfig):
         value = f.default
         p.add_argument("--" + f.name.replace("_", "-"), type=type(value) if value is not None else float,
@@ -64,14 +69,14 @@ def _load_prompts(args) -> list[str]:
     return sharegpt_prompts("train", limit=args.regenerate)
 
 
-def _regenerate(args, use_gpu: bool, deadline: Optional[float]) -> Optional[dict]:
+def _regenerate(args, use_gpu: bool, one_engine: bool, deadline: Optional[float]) -> Optional[dict]:
     from speculative.train_data import count_lines, regenerate_to_file
     if count_lines(args.pairs) >= args.regenerate:
         return None
     seconds = args.regenerate_seconds
     if deadline:
         seconds = min(seconds or float("inf"), max(1.0, (deadline - time.time()) / 2))
-    engines = torch.cuda.device_count() if use_gpu else 1
+    engines = torch.cuda.device_count() if use_gpu and not one_engine else 1
     os.makedirs(os.path.dirname(os.path.abspath(args.pairs)), exist_ok=True)
     stats = regenerate_to_file(args.pairs, _load_prompts(args), args.target, args.max_response, engines=engines,
                                seconds=seconds if seconds != float("inf") else 0.0)
@@ -118,21 +123,24 @@ def run(args, argv: Optional[list[str]] = None) -> int:
     if os.path.exists(record_path):
         with open(record_path) as f:
             previous = json.load(f)
-    workers, _ = worker_count(job)
+    local = args.launcher == "local" or (args.launcher == "auto" and not ray_train_available())
+    if local and args.workers > 1:
+        raise SystemExit("--launcher local trains with one worker; --workers > 1 needs Ray Train")
+    workers = 1 if local else worker_count(job)[0]
     peak = cfg.peak_flops or (device_peak_flops(torch.device("cuda", 0)) if use_gpu else None)
-    with local_ray():
-        regenerated = _regenerate(args, use_gpu, deadline) if args.regenerate else None
+    with (contextlib.nullcontext() if local else local_ray()):
+        regenerated = _regenerate(args, use_gpu, local, deadline) if args.regenerate else None
         record = {"command": sys.argv[:1] + list(argv if argv is not None else sys.argv[1:]),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   "data": _data_record(args, previous, regenerated), "target_features": TARGET_FEATURES,
-                  "workers": workers, "device": "cuda" if use_gpu else "cpu",
+                  "launcher": "local" if local else "ray", "workers": workers, "device": "cuda" if use_gpu else "cpu",
                   "peak_flops_per_device": peak,
                   "mfu_note": None if peak else "no MFU: no peak FLOP/s known for this device; pass --peak-flops",
                   "resumed_from": find_checkpoint(job.resume or os.path.join(job.out, "checkpoints")),
                   "config": asdict(cfg)}
         print(f"data: {record['data']['source']}; target features {TARGET_FEATURES}", flush=True)
         _write_run_record(job.out, record)
-        result = run_training(job)
+        result = run_in_process(job) if local else run_training(job)
     _write_run_record(job.out, {**record, "result": result, "seconds": round(time.time() - start, 1)})
     if result["finished"]:
         print(f"finished {result['step']} steps: drafter in {os.path.join(job.out, 'drafter')}", flush=True)

@@ -102,6 +102,24 @@ def run_training(job: TrainJob) -> dict:
             "checkpoint": checkpoint, "workers": workers, "backend": "nccl" if use_gpu else "gloo"}
 
 
+def run_in_process(job: TrainJob) -> dict:
+    """The same run without Ray: one worker in this process, on cuda:0 or the CPU (for a machine whose
+    Python has no Ray; with one device it computes what a one-worker Ray run computes)."""
+    device = torch.device("cuda", 0) if (torch.cuda.is_available() if job.use_gpu is None else job.use_gpu) \
+        else torch.device("cpu")
+    trainer = train_worker(job, 0, 1, device)
+    return {"step": trainer.step, "steps": job.cfg.steps, "finished": trainer.finished,
+            "checkpoint": find_checkpoint(job.out), "workers": 1, "backend": "none (in process)"}
+
+
+def ray_train_available() -> bool:
+    try:
+        import ray.train.torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class local_ray:
     """A Ray cluster on this machine for the block, unless this process is already connected to one."""
 

@@ -91,8 +91,9 @@ def assert_same_losses(a, b):
 
 @pytest.mark.timeout(90)
 def test_a_run_stopped_at_step_10_resumes_to_the_uninterrupted_losses(tiny_setup):
-    """One worker in this process, the code every Ray worker runs: stop flag, time budget, resume."""
-    from speculative.train import TrainConfig
+    """One worker in this process (--launcher local, and the function every Ray worker runs): stop flag, time
+    budget, resume."""
+    from speculative.train import TrainConfig, main
     from speculative.train_distributed import TrainJob, train_worker
     root, target = tiny_setup
     cfg = TrainConfig(steps=20, batch_size=2, seq_len=32, anchors_per_seq=4, lr=3e-3, warmup_steps=3,
@@ -104,9 +105,11 @@ def test_a_run_stopped_at_step_10_resumes_to_the_uninterrupted_losses(tiny_setup
                         target=target, layers=1, block_size=4, resume=resume, deadline=deadline)
     whole = train_worker(job("local-whole"), 0, 1, cpu)
     assert whole.finished and os.path.exists(root / "local-whole" / "drafter" / "config.json")
-    first = train_worker(job("local-first", stop_at_step=10), 0, 1, cpu)
-    assert first.stopped_early and first.step == 10 and not os.path.exists(root / "local-first" / "drafter")
+    main(train_args(root, target, "local-first", "--launcher", "local", "--workers", "1", "--stop-at-step", "10",
+                    "--checkpoint-every", "1000"))
+    assert not os.path.exists(root / "local-first" / "drafter")
     assert read_manifest(find_checkpoint(str(root / "local-first")))["step"] == 10
+    assert json.load(open(root / "local-first" / "run.json"))["result"]["step"] == 10
     train_worker(job("local-first"), 0, 1, cpu)                           # the same --out continues
     assert_same_losses(log_records(root / "local-first"), log_records(root / "local-whole"))
     late = train_worker(job("local-late", resume=str(root / "local-first" / "checkpoints" / "step-00000020"),
