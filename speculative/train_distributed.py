@@ -1,7 +1,7 @@
 """Data-parallel drafter training with Ray Train: one worker per GPU of the machine (NCCL), or CPU workers (gloo).
 
-`run_training` starts a TorchTrainer; every worker (`worker_loop`) loads the frozen target on its device (a full
-replica per worker), builds the drafter from the same seed, reads its shard of the pairs (every
+`run_training` starts a TorchTrainer; every worker (`worker_loop`, then `train_worker`) loads the frozen target on
+its device (a full replica per worker), builds the drafter from the same seed, reads its shard of the pairs (every
 `world_size`-th line of the jsonl) and runs `train_loop.Trainer` with the loss module under DDP
 (`ray.train.torch.prepare_model`), so only the drafter's gradients are all-reduced. Rank 0 writes the log and
 the checkpoints into the output folder, which all workers share: they run on this machine.
