@@ -290,16 +290,10 @@ class DominoDrafter(nn.Module):
             f.write(self.cfg.to_json())
 
     @staticmethod
-    def load(folder: str, device="cpu", dtype: torch.dtype = torch.float32,
-             target: Optional[ModelConfig] = None) -> "DominoDrafter":
-        """A folder saved by `save`, or a published DFlash / Domino checkpoint (speculative/drafters/public.py;
-        `target`, when given, is checked against it)."""
-        from speculative.drafters.public import load_public_drafter, published_layout
+    def load(folder: str, device="cpu", dtype: torch.dtype = torch.float32) -> "DominoDrafter":
+        """A folder saved by `save` (published checkpoints: speculative.drafters.loading.load_drafter)."""
         with open(os.path.join(folder, "config.json")) as f:
-            text = f.read()
-        if published_layout(json.loads(text)) is not None:
-            return load_public_drafter(folder, device, dtype, target)
-        cfg = DrafterConfig.from_json(text)
+            cfg = DrafterConfig.from_json(f.read())
         model = DominoDrafter(cfg)
         model.load_state_dict(load_weights(folder))
         return model.to(device=device, dtype=dtype)

@@ -36,6 +36,7 @@ from speculative.context_cache import PagedDraftContext, PendingObservations
 from speculative.context_graphs import FlushGraphs, flush_eager
 from speculative.cost_model import FixedBudgetPolicy, KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
+from speculative.drafters.loading import load_drafter
 from speculative.drafter_graphs import DrafterGraphs, graphs_enabled, static_draft_enabled
 from speculative.draft_tree import DraftTree
 from speculative.tree import gate_table, prepare_round
@@ -88,7 +89,7 @@ class Speculator:
         from speculative.drafters import bundled_drafter
         path = config.speculative.drafter or bundled_drafter(model_config)
         if path is not None:
-            drafter = DominoDrafter.load(path, runner.device, runner.dtype, target=model_config)
+            drafter = load_drafter(path, runner.device, runner.dtype, target=model_config)
         elif config.speculative.allow_random_drafter:
             torch.manual_seed(config.seed)
             drafter = DominoDrafter(DrafterConfig.for_target(model_config)).to(runner.device, runner.dtype)

@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from replicas import LLM, SamplingParams
 from replicas.config import ModelConfig
-from speculative.drafter import DominoDrafter, DraftContext
+from speculative.drafter import DraftContext
+from speculative.drafters.loading import load_drafter
 from speculative.drafters.public import drafter_config, published_layout
 from tests.support.checkpoints import make_tiny_llama
 from tests.support.greedy import compare_greedy
@@ -156,7 +157,7 @@ def test_draft_logits_equal_the_published_forward(tmp_path, domino, shift_label)
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
     weights = published_tensors(domino, SIZES, 0)
-    drafter = DominoDrafter.load(folder).eval()
+    drafter = load_drafter(folder).eval()
     assert drafter.cfg.block_size == (SIZES["block_size"] if shift_label else SIZES["block_size"] - 1)
     g = torch.Generator().manual_seed(1)
     v, h, n = SIZES["vocab_size"], SIZES["hidden_size"], len(SIZES["target_layer_ids"])
@@ -206,7 +207,7 @@ def test_unknown_layouts_and_mismatches_fail_clearly(tmp_path):
         json.dump({**config, "intermediate_size": 48}, f)
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj\.weight: shape \(32, 40\), the config "
                                          r"implies \(32, 48\)"):
-        DominoDrafter.load(folder)
+        load_drafter(folder)
 
 
 @pytest.mark.timeout(120)

@@ -234,7 +234,8 @@ def test_saved_drafter_under_preemption_matches_plain(tiny, tmp_path):
         DominoDrafter(DrafterConfig.for_target(ModelConfig.from_hf(json.load(f)))).save(str(tmp_path / "d"))
     prompts = prompts_for(hf.config.vocab_size, seed=6)
     want = generate_ids(plain, prompts, GREEDY)
-    llm = LLM(model=folder, speculative="dominotree", drafter=str(tmp_path / "d"), **{**ENGINE, "num_kv_blocks": 14})
+    llm = LLM(model=folder, speculative="dominotree", drafter=str(tmp_path / "d"), spec_policy="knee",
+              **{**ENGINE, "num_kv_blocks": 14})
     try:
         got = generate_ids(llm, prompts, GREEDY)
         stats = llm.engine.get_stats()
