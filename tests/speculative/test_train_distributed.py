@@ -120,7 +120,7 @@ def test_a_run_stopped_at_step_10_resumes_to_the_uninterrupted_losses(tiny_setup
     assert find_checkpoint(str(root / "local-hurried")).endswith("step-00000001")
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(480)
 def test_two_gloo_workers_resume_from_a_checkpoint_to_the_same_losses(ray_cluster, tiny_setup):
     """Ray Train with 2 CPU workers (DDP over gloo), through the CLI entry point: a 20-step run, and a run
     resumed from its step-10 checkpoint in a fresh output folder (a checkpoint brought back from elsewhere)."""
