@@ -24,6 +24,9 @@ traceback goes to this process's log.
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
+import os
+import sys
 import time
 from multiprocessing.connection import Connection
 from typing import Optional
@@ -131,10 +134,12 @@ class EngineCore:
 
 def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Connection,
                     outputs: Connection, heartbeat=None) -> None:
-    """The core process's whole life. Ranks 1..TP-1, if any, were started by the client at `init_method`."""
+    """The core process's whole life, which ends in here. Ranks 1..TP-1, if any, were started by the client at
+    `init_method`."""
     from replicas.engine import LLMEngine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = None
+    exit_code = 0
     try:
         launcher = LaunchedRanks(init_method) if config.tensor_parallel_size > 1 else None
         engine = LLMEngine(config, worker_launcher=launcher)
@@ -146,6 +151,7 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("the serving process went away; the engine core stops")
     except BaseException as e:  # noqa: BLE001 - the client must learn why, not just see the pipe close
+        exit_code = 1
         log.error("engine core died", exc_info=True)
         try:
             outputs.send(CoreDied(f"{type(e).__name__}: {e}"))
@@ -155,4 +161,12 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         if engine is not None:
             engine.shutdown()
         outputs.close()
+    # Nothing of the core outlives it, so the interpreter's own exit is skipped: its final garbage collection over
+    # the model's objects takes seconds, which a stopping replica (and `tidal serve`'s shutdown) would wait out.
+    # What multiprocessing's exit would do still runs (its finalizers unlink shared semaphores, e.g. tqdm's).
+    multiprocessing.util._exit_function()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
