@@ -43,8 +43,9 @@ class LocalServer:
         env.pop("RAY_ADDRESS", None)
         self.cmd = [*tidal_command(), "--port", str(self.port), "--metrics-port", str(self.metrics_port), *flags]
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            # No descriptor of the caller's (stdin included) reaches the server or what it starts.
+            self.process = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -80,7 +81,8 @@ class LocalServer:
 
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM (the server drains, deletes the app and shuts its Ray down, exit code 0); SIGKILL to the
-        whole session if it hangs or the wait is interrupted. Returns the exit code."""
+        whole session if it hangs or the wait is interrupted (the server's reaper then ends what it started).
+        Returns the exit code."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

