@@ -192,6 +192,7 @@ def top_k_top_p_cut(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     cumulative = weights.cumsum(dim=-1)
     top_p = batch.top_p.unsqueeze(1)
     keep = cumulative - weights < top_p * cumulative.gather(1, k - 1)
-    p_cut = ordered.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    # A row keeps at least its top token, also when its weights are not finite (logits overflowed to inf).
+    p_cut = ordered.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0))
     # top_p = 1 cuts nothing (rounding in the sums must not drop tail tokens).
     return torch.maximum(k_cut, p_cut.masked_fill(top_p >= 1.0, float("-inf")))

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+GREEDY_TEMPERATURE = 1e-5    # a lower temperature samples the argmax anyway
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; `param` names it (mapped to an HTTP 400)."""
@@ -77,4 +79,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Below GREEDY_TEMPERATURE (a tiny temperature overflows the float32 logits it divides): the argmax."""
+        return self.temperature < GREEDY_TEMPERATURE

@@ -313,6 +313,18 @@ def test_padded_vocab_columns_are_never_sampled():
     assert (tokens < 8).all()
 
 
+
+@pytest.mark.parametrize("extreme", [dict(temperature=1e-40), dict(top_p=5e-324), dict(repetition_penalty=1e-300)])
+def test_extreme_values_in_range_sample_a_valid_token(extreme):
+    """Values the API accepts whose float32 form overflows the logits or is 0 (found by tests/cluster/test_api_fuzz.py:
+    the top-p cut indexed -1 and killed the engine core), alone and beside a row that turns top-p on."""
+    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(3)) * 10
+    for params in ([SamplingParams(**{"top_p": 0.5, **extreme})],
+                   [SamplingParams(**extreme), SamplingParams(temperature=1.0, top_p=0.5)]):
+        tokens = Sampler()(logits[:len(params)], build(params, outputs=[[1, 2]] * len(params))).token_ids
+        assert ((tokens >= 0) & (tokens < 8)).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_samples_equal_cpu_samples():
