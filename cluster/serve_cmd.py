@@ -274,7 +274,7 @@ def _cleanup(cluster_lost: bool, state_dir: Optional[str], drain_timeout_s: floa
             _wait_until_deleted(APP_NAME, drain_timeout_s + SHUTDOWN_MARGIN_S / 2)
         except Exception:
             logger.exception("stopping Serve failed")
-    if ray.is_initialized():
+    if ray.is_initialized() and not cluster_lost:    # with the GCS gone, Ray's own shutdown would wait on it
         ray.shutdown()
     if state_dir is not None:
         end_server_processes(state_dir)
