@@ -21,11 +21,11 @@ from schemathesis.generation.modes import GenerationMode  # noqa: E402
 
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # Chat bodies (lists of message objects) cost about four times as much to generate as completion bodies.
-EXAMPLES = {("POST /v1/completions", POSITIVE): 1300, ("POST /v1/chat/completions", POSITIVE): 450,
+EXAMPLES = {("POST /v1/completions", POSITIVE): 1400, ("POST /v1/chat/completions", POSITIVE): 350,
             ("POST /v1/completions", NEGATIVE): 150, ("POST /v1/chat/completions", NEGATIVE): 100}
 PLAIN_GETS = ("/health", "/v1/models", "/stats", "/openapi.json")
-MAX_TOKENS, MAX_N, MAX_PROMPTS, MAX_MESSAGES = 4, 2, 3, 4
-CONCURRENCY = 12
+MAX_TOKENS, MAX_N, MAX_PROMPTS, MAX_MESSAGES = 2, 2, 2, 4
+CONCURRENCY = 16
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
