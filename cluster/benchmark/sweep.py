@@ -48,8 +48,8 @@ def run_sweep(target: ApiTarget, requests: Sequence[BenchRequest], base: LoadSet
     points = []
     for rate in rates:
         print(f"\n--- request rate {rate_label(rate)} req/s ---", flush=True)
-        settings = dataclasses.replace(base, request_rate=rate)
-        outcome = asyncio.run(run_load(target, requests, settings, prompt_lens_exact))
+        at_rate = dataclasses.replace(base, request_rate=rate)
+        outcome = asyncio.run(run_load(target, requests, at_rate, prompt_lens_exact))
         metrics = compute_metrics(outcome.results, outcome.duration, slo)
         print(format_table(metrics, base.max_concurrency, rate))
         points.append(RatePoint(rate, metrics, outcome.results))
