@@ -139,7 +139,7 @@ def test_a_killed_engine_core_fails_every_request_in_flight_and_the_replica_is_r
     assert engine_core_pid(server) != core
 
 
-@pytest.mark.timeout(180, func_only=True)
+@pytest.mark.timeout(120, func_only=True)
 def test_a_stopped_engine_core_fails_health_within_the_watchdog_period(server):
     server, model = server
     wait_serving(server, model, SERVING_AGAIN_WITHIN_S)
@@ -163,4 +163,3 @@ def test_a_stopped_engine_core_fails_health_within_the_watchdog_period(server):
                 os.kill(core, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    wait_serving(server, model, SERVING_AGAIN_WITHIN_S)
