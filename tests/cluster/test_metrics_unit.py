@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
