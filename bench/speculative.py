@@ -67,6 +67,7 @@ class BenchConfig:
     ignore_eos: bool = False
     gpu_memory_utilization: float = 0.3
     spec_budget: int = 16
+    spec_policy: str = "measured"             # the engines' budget policy (EngineConfig spec_policy)
     tree_rounds: int = 200                    # timed tree builds per mode (CUDA)
     builder_cases: int = 1000                 # random reference-vs-GPU builder cases (CUDA)
     force_budget: Optional[int] = None        # also run every mode with this budget at every batch size
@@ -160,7 +161,7 @@ def engine_kwargs(cfg: BenchConfig, mode: str) -> dict:
     kw = dict(model=cfg.model, device=cfg.device, seed=cfg.seed, max_num_seqs=max(cfg.batches),
               enable_prefix_caching=False, enforce_eager=False, gpu_memory_utilization=cfg.gpu_memory_utilization)
     if mode != "plain":
-        kw.update(speculative=mode, drafter=cfg.drafter, spec_budget=cfg.spec_budget,
+        kw.update(speculative=mode, drafter=cfg.drafter, spec_budget=cfg.spec_budget, spec_policy=cfg.spec_policy,
                   allow_random_drafter=cfg.allow_random_drafter)
     return kw
 
@@ -361,6 +362,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--spec-budget", type=int, default=d.spec_budget)
+    p.add_argument("--spec-policy", choices=("measured", "knee", "fixed"), default=d.spec_policy,
+                   help="the engines' budget policy (tidal serve --spec-policy)")
     p.add_argument("--tree-rounds", type=int, default=d.tree_rounds)
     p.add_argument("--builder-cases", type=int, default=d.builder_cases)
     p.add_argument("--force-budget", type=int, default=d.force_budget,
@@ -384,8 +387,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         batches=tuple(sorted({int(b) for b in args.batches.split(",") if b})),
         temps=tuple(float(t) for t in args.temps.split(",") if t), device=args.device, seed=args.seed,
         warmup=args.warmup, ignore_eos=args.ignore_eos, gpu_memory_utilization=args.gpu_memory_utilization,
-        spec_budget=args.spec_budget, tree_rounds=args.tree_rounds, builder_cases=args.builder_cases,
-        force_budget=args.force_budget or None, tie=args.tie, out=args.out)
+        spec_budget=args.spec_budget, spec_policy=args.spec_policy, tree_rounds=args.tree_rounds,
+        builder_cases=args.builder_cases, force_budget=args.force_budget or None, tie=args.tie, out=args.out)
 
 
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:
