@@ -6,8 +6,7 @@
 2. Standalone path: `start_metrics_server` in this process, scraped by the same Prometheus.
 3. The real server: `tidal serve` on CPU under load from the openai SDK: the session's `tidal_server`
    and a second server (`tidal_server_factory`, tests/conftest.py) sized so that speculation,
-   preemptions, elastic lends and reclaims and controller decisions all happen; skipped when the
-   fixtures are not there.
+   preemptions, elastic lends and reclaims and controller decisions all happen.
 
 Each checks that every PromQL expression of every dashboard returns data, the names and label sets.
 """
@@ -318,15 +317,10 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(request, tmp_path_factory):
+def served(tmp_path_factory, tidal_server, tidal_metrics_port, tidal_server_factory):
     if prometheus_binary() is None:
         pytest.skip("prometheus not installed (scripts/install-prometheus.sh)")
-    try:
-        main_url = str(request.getfixturevalue("tidal_server")).rstrip("/")
-        main_port = int(request.getfixturevalue("tidal_metrics_port"))
-        start_server = request.getfixturevalue("tidal_server_factory")
-    except pytest.FixtureLookupError:
-        pytest.skip("no `tidal_server` / `tidal_server_factory` fixtures (tests/conftest.py provides them)")
+    main_url, main_port, start_server = tidal_server.rstrip("/"), int(tidal_metrics_port), tidal_server_factory
     drafter = tmp_path_factory.mktemp("echo-drafter")
     events = start_server(*events_server_flags(drafter, echo_drafter(drafter)))
     prom = None
@@ -388,37 +382,31 @@ def event_load(openai, base_url: str) -> int:
     return received
 
 
-def _stable_generation_totals(prom, quiet_s: float = 12.0) -> dict[str, float]:
-    """Exported generation-token totals by job once they stopped moving (Ray exports every few seconds)."""
-    import time
-
-    def totals():
-        return {r["metric"]["job"]: float(r["value"][1])
-                for r in prom.query("sum by (job) (tidal:generation_tokens_total)")}
-
-    last, since = totals(), time.monotonic()
-    while time.monotonic() - since < quiet_s:
-        time.sleep(1.0)
-        now = totals()
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
+def engine_generation_tokens(base_url: str) -> int:
+    """The replicas' own generation-token counters (each exported from 0 by its replica's recorder)."""
+    return sum(d["stats"]["generation_tokens"] for d in replica_stats(base_url))
 
 
 @needs_prometheus
 def test_tidal_serve_metrics_under_load(served):
     openai = pytest.importorskip("openai")
     prom = served.prom
-    before = _stable_generation_totals(prom)
+    urls = {MAIN_JOB: served.main_url, EVENTS_JOB: served.events_url}
+    before = {job: engine_generation_tokens(url) for job, url in urls.items()}
     with ThreadPoolExecutor(max_workers=2) as pool:
         main, events = pool.submit(chat_load, openai, served.main_url), pool.submit(event_load, openai,
                                                                                     served.events_url)
         received = {MAIN_JOB: main.result(), EVENTS_JOB: events.result()}
     for job, got in received.items():
-        want = before.get(job, 0.0) + got
-        prom.wait_until(lambda job=job, want=want: prom.value(
-                            f'sum(tidal:generation_tokens_total{{job="{job}"}}) == {want}'),
-                        WAIT_S, f"{job}: exported generation tokens == {want} (clients received {got})")
+        counted = engine_generation_tokens(urls[job])
+        assert counted - before[job] == got, f"{job}: the engines counted {counted - before[job]} generation " \
+                                             f"tokens, the clients received {got}"
+        expr = f'sum(tidal:generation_tokens_total{{job="{job}"}})'
+        try:
+            prom.wait_until(lambda expr=expr, counted=counted: prom.value(f"{expr} == {counted}"), WAIT_S,
+                            f"{job}: exported generation tokens == the engines' {counted}")
+        except AssertionError as e:
+            raise AssertionError(f"{job}: Prometheus has {prom.value(expr)}; {e}") from None
 
     events = replica_stats(served.events_url)
     model = events[0]["model"]
