@@ -204,8 +204,11 @@ class AsyncLLMEngine:
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
         self._check_alive()                     # died while registering: _declare_dead may have missed it
-        self._send(call(call_id, **fields))
-        return fut.result(CALL_TIMEOUT_S)
+        try:
+            self._send(call(call_id, **fields))
+            return fut.result(CALL_TIMEOUT_S)
+        finally:
+            self._calls.pop(call_id, None)
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -289,7 +292,10 @@ class AsyncLLMEngine:
             pass
 
     def stats(self) -> EngineStats:
-        return self._call(GetStats)
+        stats = self._call(GetStats)
+        stats.bookkeeping.update(client_streams=len(self._streams), client_prompts=len(self._prompts),
+                                 client_calls=len(self._calls))
+        return stats
 
     def drain_finished_timings(self) -> list[RequestTimings]:
         return self._call(DrainFinishedTimings)

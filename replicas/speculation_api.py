@@ -84,6 +84,10 @@ class Proposer(Protocol):
     def forget(self, seq: "Sequence") -> None:
         """The sequence finished or was aborted: drop its drafter context."""
 
+    @property
+    def num_tracked(self) -> int:
+        """Sequences whose drafter context is held (0 once every request ended)."""
+
 
 class Verifier(Protocol):
     def verify(self, seqs: Seq["Sequence"], proposal: DraftProposal, logits: Tensor) -> VerifiedRound:

@@ -58,6 +58,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_by_position: list[int] = field(default_factory=list)
+    # entries of the per-request maps, by map (the core's, then the client's): all 0 once idle
+    bookkeeping: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

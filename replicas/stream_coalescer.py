@@ -56,6 +56,10 @@ class StreamCoalescer:
                 last_sent[rid] = now
         return report
 
+    @property
+    def num_tracked(self) -> int:
+        return len(self.held) + len(self.last_sent)
+
     def forget(self, request_id: str) -> None:
         self.held.pop(request_id, None)
         self.last_sent.pop(request_id, None)

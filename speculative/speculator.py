@@ -191,6 +191,10 @@ class Speculator:
         if taken is not None:
             flush_eager(self.drafter.backbone, self.contexts, *taken, self.embed_weight.dtype)
 
+    @property
+    def num_tracked(self) -> int:
+        return len(self.contexts.lengths)
+
     def forget(self, seq: Sequence) -> None:
         self._pending.forget(seq.seq_id)
         self.contexts.forget(seq.seq_id)
