@@ -82,6 +82,11 @@ def engine_unavailable(request_id: str) -> OpenAIError:
                        "engine_unavailable")
 
 
+def server_draining(request_id: str) -> OpenAIError:
+    return OpenAIError(503, f"The server is shutting down and its drain period ended before this request did; "
+                            f"retry (request {request_id}).", None, "shutting_down")
+
+
 def request_timeout(timeout_s: float, request_id: str) -> OpenAIError:
     return OpenAIError(504, f"The request did not finish within {timeout_s:g} s and was aborted "
                        f"(request {request_id}).", None, "timeout")

@@ -18,13 +18,13 @@ from typing import AsyncIterator, Optional, Union
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from cluster.errors import OpenAIError, engine_unavailable, request_timeout
+from cluster.errors import OpenAIError, engine_unavailable, request_timeout, server_draining
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, OpenAIRoutes, app
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
 from cluster.replica_metrics import MetricsPump
-from replicas.async_engine import (AsyncLLMEngine, ChatPrompt, EngineDeadError, EngineStepError, RequestError,
-                                   RequestTimeout)
+from replicas.async_engine import (AsyncLLMEngine, ChatPrompt, EngineDeadError, EngineDraining, EngineStepError,
+                                   RequestError, RequestTimeout)
 from replicas import envs
 from replicas.config import EngineConfig
 from replicas.outputs import RequestOutput
@@ -146,6 +146,11 @@ class EngineReplica(OpenAIRoutes):
             if started:
                 raise request_timeout(self.request_timeout_s, job.request_id) from None
             yield _as_failure(request_timeout(self.request_timeout_s, job.request_id))
+        except EngineDraining:
+            logger.warning("request %s was still running when the drain period ended; aborted", job.request_id)
+            if started:
+                raise server_draining(job.request_id) from None
+            yield _as_failure(server_draining(job.request_id))
         except EngineDeadError as e:
             logger.error("request %s failed: %s", job.request_id, e)
             if started:
@@ -170,6 +175,13 @@ class EngineReplica(OpenAIRoutes):
         finally:
             self._streams -= 1
             await stream.aclose()
+
+    async def begin_drain(self, within_s: float) -> None:
+        """The server is stopping: requests still running `within_s` from now end with a 503 `shutting_down`
+        (in-band on a stream, then [DONE]), so every client gets an answer before Serve's drain period
+        (graceful_shutdown_timeout_s) ends and the replica is killed."""
+        loop = asyncio.get_running_loop()
+        loop.call_later(max(0.0, within_s), lambda: self.engine.fail_streams(EngineDraining("the drain period ended")))
 
     @staticmethod
     def _prompt(job: GenerationJob) -> Union[str, list[int], ChatPrompt]:

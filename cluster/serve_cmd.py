@@ -30,6 +30,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # Beyond the drain: Serve and Ray stopping. A shutdown that overruns both exits at once; the reaper ends the rest.
 SHUTDOWN_MARGIN_S = 30.0
 LOST_CLUSTER_SHUTDOWN_S = 10.0
+# Requests still running this long before the drain period ends get their 503 (`shutting_down`), ahead of Serve
+# killing the replica at the end of it.
+DRAIN_ANSWER_MARGIN_S = 2.0
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -268,6 +271,7 @@ def _cleanup(cluster_lost: bool, state_dir: Optional[str], drain_timeout_s: floa
                 ray.kill(ray.get_actor("tidal-controller"))
             except ValueError:
                 pass                                  # no controller was started
+            _begin_drain(drain_timeout_s)
             # Deleting the app first lets its replicas drain in-flight requests (graceful_shutdown_timeout_s)
             # while the HTTP front door still carries them.
             serve.delete(APP_NAME, _blocking=False)
@@ -278,6 +282,19 @@ def _cleanup(cluster_lost: bool, state_dir: Optional[str], drain_timeout_s: floa
         ray.shutdown()
     if state_dir is not None:
         end_server_processes(state_dir)
+
+
+def _begin_drain(drain_timeout_s: float) -> None:
+    """Tell every replica when its drain period ends (`EngineReplica.begin_drain`)."""
+    from ray import serve
+
+    within_s = drain_timeout_s - DRAIN_ANSWER_MARGIN_S if drain_timeout_s > 2 * DRAIN_ANSWER_MARGIN_S \
+        else drain_timeout_s / 2
+    try:
+        handle = serve.get_deployment_handle("LLMReplica", app_name=APP_NAME)
+        handle.broadcast("begin_drain", within_s).results(timeout_s=10, return_exceptions=True)
+    except Exception:  # noqa: BLE001 - without it the drain still ends, with Serve killing what still runs
+        logger.warning("could not tell the replicas when the drain ends", exc_info=True)
 
 
 def _wait_until_deleted(app_name: str, timeout_s: float) -> None:

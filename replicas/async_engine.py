@@ -46,6 +46,10 @@ class RequestTimeout(TimeoutError):
     """The request passed its deadline; the engine aborted it."""
 
 
+class EngineDraining(RuntimeError):
+    """The server is stopping and its drain period ended before the request did; the engine aborted it."""
+
+
 @dataclass(frozen=True)
 class EngineHealth:
     alive: bool                       # the core runs and serves (not exited, not stuck, not declared dead)
@@ -284,6 +288,13 @@ class AsyncLLMEngine:
             self._prompts.pop(request_id, None)
             if sent and not finished:
                 self.abort(request_id)
+
+    def fail_streams(self, error: BaseException) -> int:
+        """End every open stream with `error` (each generator raises it and aborts its request); returns how
+        many. The engine goes on serving new requests."""
+        ids = list(self._streams)
+        self._publish([(rid, error) for rid in ids])
+        return len(ids)
 
     def abort(self, request_id: str) -> None:
         try:

@@ -1,6 +1,7 @@
 """Faults under a real `tidal serve` (one replica, CPU): a request past its deadline, the engine core killed with
-requests in flight, the engine core stopped. Every client gets its error (on a stream: an error event, then
-[DONE]) or an error status within seconds, /health fails, and Serve replaces the replica."""
+requests in flight, the engine core stopped, the server stopped while requests outlast its drain period. Every
+client gets its error (on a stream: an error event, then [DONE]) or an error status within seconds, /health fails,
+and Serve replaces the replica; the stopped server exits soon after its drain period."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,10 @@ import psutil
 import pytest
 import requests
 
-REQUEST_TIMEOUT_S = 10
+REQUEST_TIMEOUT_S = 15
 WATCHDOG_S = 4
+DRAIN_TIMEOUT_S = 6
+EXIT_AFTER_DRAIN_S = 15       # Serve stopping the replica, Ray's shutdown
 ANSWER_WITHIN_S = 10          # a client's error after its engine core died
 SERVING_AGAIN_WITHIN_S = 60   # a replacement replica serves
 LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
@@ -23,7 +26,7 @@ LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 @pytest.fixture(scope="module")
 def server(tidal_server_factory):
     started = tidal_server_factory("--replicas", "1", "--request-timeout-s", str(REQUEST_TIMEOUT_S),
-                                   "--engine-watchdog-s", str(WATCHDOG_S))
+                                   "--engine-watchdog-s", str(WATCHDOG_S), "--drain-timeout-s", str(DRAIN_TIMEOUT_S))
     model = requests.get(f"{started.url}/v1/models", timeout=30).json()["data"][0]["id"]
     yield started, model
     started.stop()
@@ -163,3 +166,26 @@ def test_a_stopped_engine_core_fails_health_within_the_watchdog_period(server):
                 os.kill(core, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.timeout(180, func_only=True)
+def test_a_stopping_server_answers_what_outlasts_its_drain_period_then_exits(server):
+    """Last in this module: it stops the server. Requests far longer than the drain period get a 503
+    `shutting_down` (in-band, then [DONE], on a stream) before the period ends, and the server exits cleanly."""
+    server, model = server
+    wait_serving(server, model, SERVING_AGAIN_WITHIN_S)
+    body = {"model": model, "prompt": "Tell me a very long story.", **LONG}
+    with ThreadPoolExecutor(2) as pool:
+        streamed = pool.submit(stream_events, server, body)
+        plain = pool.submit(answer, server, body)
+        started = time.monotonic()
+        while running_sequences(server) < 2:
+            assert time.monotonic() - started < REQUEST_TIMEOUT_S / 3, "the requests did not start in time"
+            time.sleep(0.1)
+        server.process.send_signal(signal.SIGTERM)
+        stopping = time.monotonic()
+        (events, stream_end), (response, plain_end) = streamed.result(), plain.result()
+    assert in_band_error(events)["code"] == "shutting_down"
+    assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down", response.text
+    assert max(stream_end, plain_end) - stopping < DRAIN_TIMEOUT_S
+    assert server.process.wait(timeout=DRAIN_TIMEOUT_S + EXIT_AFTER_DRAIN_S) == 0, server.log_tail()
