@@ -1,6 +1,7 @@
 """The cluster as a whole: 32 concurrent streams equal offline greedy, both replicas take load, a TP=2
-replica (gloo ranks as Ray actors) equals TP=1, API keys, backpressure as an OpenAI 503, a SIGTERM that
-drains, knobs through Serve user_config and the controller's broadcast, and the replica class itself.
+replica (gloo ranks as Ray actors) equals TP=1, API keys, backpressure as an OpenAI 503, a killed TP rank that
+fails its stream and is replaced, a SIGTERM that drains, knobs through Serve user_config and the controller's
+broadcast, and the replica class itself.
 
 The TP=2 server runs a tiny random Llama (SmolLM2's 9 heads do not split in two)."""
 from __future__ import annotations
@@ -8,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import requests
 from tests.support.checkpoints import make_tiny_llama
@@ -156,6 +159,63 @@ def test_overload_is_an_openai_503_and_the_server_recovers(tp2_server):
     assert r.status_code == 200, r.text
     stats = requests.get(f"{tp2_server.url}/stats", headers=headers, timeout=60).json()["data"]
     assert [s["stats"]["kv_blocks_used"] for s in stats] == [0]
+
+
+RANK_FAILURE_WITHIN_S = 30     # a client's error after a TP rank died (gloo notices the closed connection)
+SERVING_AGAIN_WITHIN_S = 120   # Serve replaces the replica: a new placement group, engine core and rank
+
+
+def rank_worker_pids(server) -> list[int]:
+    """The server's live TP rank actors (`RankWorker`), found among its descendants by their process title."""
+    pids = []
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            if "RankWorker" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_a_killed_tp_rank_fails_the_stream_and_the_replica_is_replaced(tp2_server):
+    """kill -9 rank 1 of the TP=2 replica mid-stream: rank 0's next collective fails, the engine core dies, the
+    client gets an in-band error and [DONE], and Serve replaces the replica (the SIGTERM test below needs it)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    ranks = rank_worker_pids(tp2_server)
+    assert len(ranks) == 1, f"expected one rank actor, found {ranks}"
+    body = {"model": TINY, "prompt": "Once", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    first_chunk, events = threading.Event(), []
+
+    def stream():
+        with requests.post(f"{tp2_server.url}/v1/completions", json=body, headers=headers, stream=True,
+                           timeout=600) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    first_chunk.set()
+        first_chunk.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first_chunk.wait(120)
+    os.kill(ranks[0], signal.SIGKILL)
+    client.join(RANK_FAILURE_WITHIN_S)
+    assert not client.is_alive(), f"the stream still runs {RANK_FAILURE_WITHIN_S} s after its TP rank died"
+    assert events[-1] == "[DONE]", events[-3:]
+    assert json.loads(events[-2])["error"]["code"] == "engine_unavailable", events[-2]
+    deadline = time.monotonic() + SERVING_AGAIN_WITHIN_S
+    while True:
+        try:
+            r = requests.post(f"{tp2_server.url}/v1/completions", headers=headers, timeout=60,
+                              json={"model": TINY, "prompt": "Hello", "max_tokens": 2})
+            if r.status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, f"not serving within {SERVING_AGAIN_WITHIN_S} s:\n{tp2_server.log_tail()}"
+        time.sleep(0.5)
+    assert rank_worker_pids(tp2_server) not in ([], ranks)
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_cleanly(tp2_server):
