@@ -164,7 +164,7 @@ def assert_names_and_labels(prom, model: str) -> set[str]:
 
 # ---- 1 + 2: synthetic Ray cluster and standalone server ----------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def synthetic_cluster():
     if prometheus_binary() is None:
         pytest.skip("prometheus not installed (scripts/install-prometheus.sh)")
@@ -209,39 +209,41 @@ def wait_all_families(prom, model: str) -> None:
                     f"all tidal families for {model}")
 
 
-@needs_prometheus
-@pytest.mark.parametrize("model", [RAY_MODEL, STANDALONE_MODEL])
-def test_synthetic_names_labels_and_every_dashboard_expression(synthetic_cluster, model):
-    prom, _ = synthetic_cluster
-    wait_all_families(prom, model)
-    assert not [n for n in prom.metric_names() if n.startswith("ray_tidal_")], "relabelling left Ray names"
-    assert_expressions_return_data(prom, dashboard_expressions(), model)
-    replicas = ["r0", "r1"] if model == RAY_MODEL else ["s0"]
-    prom.wait_until(lambda: prom.label_values("replica", f'tidal:num_requests_running{{model_name="{model}"}}')
-                    == replicas, WAIT_S, f"replicas {replicas} of {model}")
-    assert prom.query(f'tidal:elastic_mode{{model_name="{model}", mode="elastic"}} == 1')
+class TestSynthetic:
+    """The synthetic cluster lives for this class only: it is gone before the real servers below start."""
 
+    @needs_prometheus
+    @pytest.mark.parametrize("model", [RAY_MODEL, STANDALONE_MODEL])
+    def test_names_labels_and_every_dashboard_expression(self, synthetic_cluster, model):
+        prom, _ = synthetic_cluster
+        wait_all_families(prom, model)
+        assert not [n for n in prom.metric_names() if n.startswith("ray_tidal_")], "relabelling left Ray names"
+        assert_expressions_return_data(prom, dashboard_expressions(), model)
+        replicas = ["r0", "r1"] if model == RAY_MODEL else ["s0"]
+        prom.wait_until(lambda: prom.label_values("replica", f'tidal:num_requests_running{{model_name="{model}"}}')
+                        == replicas, WAIT_S, f"replicas {replicas} of {model}")
+        assert prom.query(f'tidal:elastic_mode{{model_name="{model}", mode="elastic"}} == 1')
 
-@needs_prometheus
-def test_synthetic_counters_match_and_gauges_go_idle(synthetic_cluster):
-    prom, driver = synthetic_cluster
-    line = driver.stdout.readline()
-    assert line.startswith("{"), f"Ray driver ended without its report (exit {driver.poll()})"
-    totals = json.loads(line)["generation_tokens"]
-    assert totals == [STEPS * GEN_PER_STEP] * 2
-    for model in (RAY_MODEL, STANDALONE_MODEL):
-        expected = sum(totals) if model == RAY_MODEL else STEPS * GEN_PER_STEP
-        got = prom.wait_until(
-            lambda: prom.value(f'sum(tidal:generation_tokens_total{{model_name="{model}"}}) == {expected}'),
-            WAIT_S, f"{model} generation tokens == {expected}")
-        assert got == expected
-        prom.wait_until(lambda: prom.value(f'max(tidal:kv_cache_usage_perc{{model_name="{model}"}}) == 0') == 0,
-                        WAIT_S, f"{model} KV usage back to 0")
-    # Position 0 accepted 2 per step on each of the two Ray replicas.
-    assert prom.value(f'sum(tidal:spec_decode_num_accepted_tokens_per_pos_total'
-                      f'{{model_name="{RAY_MODEL}", position="0"}})') == 2 * 2 * STEPS
-    decisions = prom.value(f'sum(tidal:controller_decisions_total{{model_name="{RAY_MODEL}"}})')
-    assert decisions == 2 * len(range(0, STEPS, 8))
+    @needs_prometheus
+    def test_counters_match_and_gauges_go_idle(self, synthetic_cluster):
+        prom, driver = synthetic_cluster
+        line = driver.stdout.readline()
+        assert line.startswith("{"), f"Ray driver ended without its report (exit {driver.poll()})"
+        totals = json.loads(line)["generation_tokens"]
+        assert totals == [STEPS * GEN_PER_STEP] * 2
+        for model in (RAY_MODEL, STANDALONE_MODEL):
+            expected = sum(totals) if model == RAY_MODEL else STEPS * GEN_PER_STEP
+            got = prom.wait_until(
+                lambda: prom.value(f'sum(tidal:generation_tokens_total{{model_name="{model}"}}) == {expected}'),
+                WAIT_S, f"{model} generation tokens == {expected}")
+            assert got == expected
+            prom.wait_until(lambda: prom.value(f'max(tidal:kv_cache_usage_perc{{model_name="{model}"}}) == 0') == 0,
+                            WAIT_S, f"{model} KV usage back to 0")
+        # Position 0 accepted 2 per step on each of the two Ray replicas.
+        assert prom.value(f'sum(tidal:spec_decode_num_accepted_tokens_per_pos_total'
+                          f'{{model_name="{RAY_MODEL}", position="0"}})') == 2 * 2 * STEPS
+        decisions = prom.value(f'sum(tidal:controller_decisions_total{{model_name="{RAY_MODEL}"}})')
+        assert decisions == 2 * len(range(0, STEPS, 8))
 
 
 # ---- 3: the real `tidal serve` on CPU ----------------------------------------------------------
@@ -250,14 +252,15 @@ def test_synthetic_counters_match_and_gauges_go_idle(synthetic_cluster):
 # "events" server started here is sized so that a short load makes every event a dashboard plots
 # happen: speculative decoding with an echo drafter; a base KV region of 8 blocks under an elastic
 # reserve, so three long decodes spill into the lent reserve and a long prompt then forces a reclaim
-# that preempts one of them and migrates the others' reserve blocks; and the fleet controller
-# restoring a lowered token budget once the replica is idle.
+# that preempts one of them and migrates the others' reserve blocks; and the fleet controller (chunk policy,
+# its TTFT SLO out of reach) raising the lowered token budget back to its limit after the load.
 
 MAIN_JOB, EVENTS_JOB = "tidal", "tidal-events"
 EVENTS_BASE_BLOCKS = 8          # 128 tokens: ElasticKV needs one sequence of max_model_len to fit in the base
 EVENTS_MAX_MODEL_LEN = 128
 EVENTS_BUDGET = 128             # so lend_step_tokens = 64: a step of more tokens needs the reserve back
-EVENTS_START_BUDGET = 96        # above 64 (a long prompt can still trigger a reclaim); the controller restores 128
+EVENTS_START_BUDGET = 96        # above 64 (a long prompt can still trigger a reclaim); once the load finished, the
+                                # chunk policy, whose TTFT SLO (1 ms) no request meets, doubles it up to the 128 limit
 EVENTS_MAX_SEQS = 4             # the three decodes and the long prompt
 DECODE_PROMPTS = tuple(f"{word}: " + " ".join(["ha"] * 10) for word in ("one", "two", "three"))
 DECODE_TOKENS = 72              # " ha" over and over: the echo drafter's proposals are accepted
@@ -298,7 +301,7 @@ def events_server_flags(drafter: Path, model_config) -> list[str]:
             "--max-num-batched-tokens", str(EVENTS_BUDGET), "--knob", f"max_num_batched_tokens={EVENTS_START_BUDGET}",
             "--elastic", "elastic", "--reserve-blocks", str(reserve),
             "--speculative", "dominotree", "--drafter", str(drafter), "--spec-budget", "4", "--spec-policy", "knee",
-            "--controller", "--controller-interval", "1"]
+            "--controller", "chunk", "--controller-interval", "1", "--ttft-slo-ms", "1"]
 
 
 def replica_stats(base_url: str) -> list[dict]:
@@ -341,7 +344,8 @@ def served(tmp_path_factory, tidal_server, tidal_metrics_port, tidal_server_fact
 
 def chat_load(openai, base_url: str) -> int:
     """Eight chat completions, four at a time; returns the completion tokens the clients received."""
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=LOAD_TIMEOUT_S)
+    # No retries: a retried request's first attempt would count tokens no client received.
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=LOAD_TIMEOUT_S, max_retries=0)
     model = client.models.list().data[0].id
 
     def complete(i: int) -> int:
@@ -358,7 +362,8 @@ def event_load(openai, base_url: str) -> int:
     """The events server's load (see above); returns the completion tokens the clients received."""
     import time
 
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=LOAD_TIMEOUT_S)
+    # No retries: a retried request's first attempt would count tokens no client received.
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=LOAD_TIMEOUT_S, max_retries=0)
     model = client.models.list().data[0].id
 
     def complete(prompt: str, max_tokens: int) -> int:
