@@ -11,6 +11,8 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve import Application
 
+from cluster.controller import start_controller
+from cluster.controller_policies import POLICIES, ControllerConfig
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES
 from cluster.rank_actor import rank_bundle
 from cluster.replica import DEFAULT_REQUEST_TIMEOUT_S, LLMReplica
@@ -20,6 +22,30 @@ from replicas.device import resolve_device
 
 UNBOUNDED = 1 << 20          # generation requests per replica when max_queued_requests is -1
 CONTROL_REQUESTS = 64        # Serve's headroom above the replica's queue, for the non-generating routes
+
+
+class ControllerArgs(BaseModel):
+    """The fleet controller of the app (cluster/controller.py); `static` starts none."""
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = "static"
+    interval_s: float = Field(5.0, gt=0)
+    advisory: bool = False                       # decide, log and export, apply nothing
+    ttft_slo_ms: float = Field(1000.0, gt=0)
+    itl_slo_ms: float = Field(100.0, gt=0)
+    min_budget: int = Field(256, ge=1)
+    app_name: str = "tidal"                      # the Serve application it tunes (the RayService's name for it)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, policy: str) -> str:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown controller policy {policy!r}; choose one of {POLICIES}")
+        return policy
+
+    def config(self) -> ControllerConfig:
+        return ControllerConfig(policy=self.policy, interval_s=self.interval_s, advisory=self.advisory,
+                                ttft_slo_ms=self.ttft_slo_ms, itl_slo_ms=self.itl_slo_ms, min_budget=self.min_budget)
 
 
 class AppArgs(BaseModel):
@@ -49,6 +75,7 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     graceful_shutdown_timeout_s: float = Field(120.0, ge=0)   # a stopping replica's drain of in-flight requests
     request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)   # a request still running then: aborted, 504
+    controller: Optional[ControllerArgs] = None   # None: `auto` on CUDA, `static` (none) on CPU
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -90,6 +117,9 @@ def build_app(args: AppArgs) -> Application:
         args = AppArgs.model_validate(args or {})
     config = engine_config(args)
     use_gpu = config.device == "cuda"
+    controller = args.controller or ControllerArgs(policy="auto" if use_gpu else "static")
+    if controller.policy != "static":
+        start_controller(controller.app_name, controller.config())
     scale = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
              else {"num_replicas": args.num_replicas})
     ongoing = args.max_ongoing_requests or config.scheduling.max_num_seqs

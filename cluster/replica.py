@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from collections import deque
 from dataclasses import asdict
 from typing import AsyncIterator, Optional, Union
 
@@ -22,6 +24,7 @@ from cluster.errors import OpenAIError, engine_unavailable, request_timeout, ser
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, OpenAIRoutes, app
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
+from cluster.recent_requests import RecentRequests
 from cluster.replica_metrics import MetricsPump
 from replicas.async_engine import (AsyncLLMEngine, ChatPrompt, EngineDeadError, EngineDraining, EngineStepError,
                                    RequestError, RequestTimeout)
@@ -35,6 +38,8 @@ logger = logging.getLogger("tidal.replica")
 
 RECONFIGURABLE_KNOBS = ("max_num_batched_tokens", "elastic", "speculation")
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+CONTROLLER_LOG = 32             # the fleet controller's last decisions each replica keeps (`tidal controller status`)
+RECENT_S = 120.0                # how far back `describe(recent=True)` reports finished requests
 
 
 def replica_engine_config(config: EngineConfig) -> EngineConfig:
@@ -114,9 +119,11 @@ class EngineReplica(OpenAIRoutes):
         self.engine = AsyncLLMEngine(replica_engine_config(engine_config), worker_launcher=self.launcher)
         self._streams = 0                    # generate() calls in flight
         self._peers = None                   # this deployment's handle, for /stats
-        self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id)
-        if self.metrics.recorder is not None:
-            self.metrics.start()
+        self.recent = RecentRequests()
+        self.controller_state: dict = {}                    # the fleet controller's, kept for its restarts
+        self.controller_log: deque[dict] = deque(maxlen=CONTROLLER_LOG)
+        self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id, on_finished=self.recent.add)
+        self.metrics.start()
         logger.info("replica %s serving %s (tp=%d)", self.replica_id, self.engine.model_name,
                     engine_config.tensor_parallel_size)
 
@@ -196,13 +203,18 @@ class EngineReplica(OpenAIRoutes):
             self._peers = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
         return await self._peers.broadcast("describe").results_async(timeout_s=30, return_exceptions=True)
 
-    async def describe(self) -> dict:
-        """Identity and current stats of this replica (/stats and the fleet controller read it)."""
+    async def describe(self, recent: bool = False) -> dict:
+        """Identity, current stats and the fleet controller's state and last decisions on this replica (/stats and
+        the controller read it); with `recent`, the requests it finished in the last RECENT_S seconds."""
         stats = await asyncio.to_thread(self.engine.stats)       # an engine call: answered between two steps
-        return {"replica_id": self.replica_id, "model": self.engine.model_name,
-                "max_model_len": self.engine.max_model_len, "stats": asdict(stats),
-                "budget_limit": self.engine.config.scheduling.max_num_batched_tokens,
-                "elastic_available": self.engine.info.elastic_available}
+        out = {"replica_id": self.replica_id, "model": self.engine.model_name,
+               "max_model_len": self.engine.max_model_len, "stats": asdict(stats),
+               "budget_limit": self.engine.config.scheduling.max_num_batched_tokens,
+               "elastic_available": self.engine.info.elastic_available,
+               "controller": {"state": self.controller_state, "log": list(self.controller_log)}}
+        if recent:
+            out["recent"] = self.recent.since(time.time() - RECENT_S)
+        return out
 
     async def stats(self) -> EngineStats:
         return await asyncio.to_thread(self.engine.stats)
@@ -216,16 +228,28 @@ class EngineReplica(OpenAIRoutes):
         logger.info("replica %s reconfigured: %s", self.replica_id, applied)
         return applied
 
-    def apply_controller_decisions(self, decisions: dict) -> list:
-        """The fleet controller broadcasts every replica's decisions; each replica applies its own."""
-        applied = []
-        for knob, value, reason in decisions.get(self.replica_id, []):
-            self.reconfigure({knob: value})
+    def apply_controller_decisions(self, payload: dict) -> list:
+        """The fleet controller broadcasts every replica's round, {replica_id: {"state", "decisions", "advisory"}};
+        each replica keeps its state, applies its decisions (unless advisory), logs and exports them (an advisory
+        decision's reason is exported as `advisory_<reason>`)."""
+        mine = payload.get(self.replica_id)
+        if mine is None:
+            return []
+        self.controller_state = mine["state"]
+        done = []
+        for knob, value, reason in mine["decisions"]:
+            if not mine["advisory"]:
+                self.reconfigure({knob: value})
+            logger.info("replica %s: controller %s %s=%s (%s)", self.replica_id,
+                        "advises" if mine["advisory"] else "sets", knob, value, reason)
+            self.controller_log.append({"at": time.time(), "knob": knob, "value": value, "reason": reason,
+                                        "applied": not mine["advisory"]})
             if self.metrics.recorder is not None:
                 numeric = value if isinstance(value, (int, float)) else float(value != "off")
-                self.metrics.recorder.record_controller_decision(knob, numeric, reason)
-            applied.append((knob, value, reason))
-        return applied
+                self.metrics.recorder.record_controller_decision(
+                    knob, numeric, f"advisory_{reason}" if mine["advisory"] else reason, not mine["advisory"])
+            done.append((knob, value, reason))
+        return done
 
     def engine_problem(self) -> Optional[str]:
         """None while the engine serves, else why not, in a few words a client may see: /health answers 503 and

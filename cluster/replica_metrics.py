@@ -1,9 +1,11 @@
 """A replica's metrics: every second the engine's stats and finished requests' timings, recorded through Ray's
-metrics path (`cluster.metrics.ReplicaMetrics`) by an actor of the replica's own."""
+metrics path (`cluster.metrics.ReplicaMetrics`) by an actor of the replica's own, and the finished requests
+handed to the replica's window of recent requests (what the fleet controller judges latency from)."""
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable, Optional
 
 from cluster.metrics import ReplicaMetrics
 from replicas.async_engine import AsyncLLMEngine
@@ -26,8 +28,8 @@ class MetricsRecorder:
     def record(self, stats: EngineStats, timings: list) -> None:
         self.metrics.record(stats, timings)
 
-    def record_controller_decision(self, knob: str, value: float, reason: str) -> None:
-        self.metrics.record_controller_decision(knob, value, reason)
+    def record_controller_decision(self, knob: str, value: float, reason: str, applied: bool = True) -> None:
+        self.metrics.record_controller_decision(knob, value, reason, applied)
 
 
 class RemoteRecorder:
@@ -41,8 +43,8 @@ class RemoteRecorder:
     def record(self, stats: EngineStats, timings: list) -> None:
         self.last = self.actor.record.remote(stats, timings)
 
-    def record_controller_decision(self, knob: str, value: float, reason: str) -> None:
-        self.last = self.actor.record_controller_decision.remote(knob, value, reason)
+    def record_controller_decision(self, knob: str, value: float, reason: str, applied: bool = True) -> None:
+        self.last = self.actor.record_controller_decision.remote(knob, value, reason, applied)
 
     def close(self) -> None:
         """Wait for what was sent (the final flush), then stop the actor."""
@@ -56,12 +58,15 @@ class RemoteRecorder:
 
 class MetricsPump(threading.Thread):
     """Feeds the replica's metrics from the engine every period: through a `MetricsRecorder` actor inside Ray, in
-    this process otherwise (a replica class built outside Serve); off when neither can start."""
+    this process otherwise (a replica class built outside Serve); the metrics are off when neither can start, the
+    finished requests still go to `on_finished`."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, replica_id: str, period_s: float = METRICS_PERIOD_S):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, replica_id: str, period_s: float = METRICS_PERIOD_S,
+                 on_finished: Optional[Callable[[list], None]] = None):
         super().__init__(name="tidal-metrics", daemon=True)
         self.engine = engine
         self.period_s = period_s
+        self.on_finished = on_finished
         self.recorder = self._load_recorder(model_name, replica_id)
         self._halt = threading.Event()
 
@@ -81,10 +86,12 @@ class MetricsPump(threading.Thread):
             self.flush()
 
     def flush(self) -> None:
-        if self.recorder is None:
-            return
         try:
-            self.recorder.record(self.engine.stats(), self.engine.drain_finished_timings())
+            timings = self.engine.drain_finished_timings()
+            if self.on_finished is not None:
+                self.on_finished(timings)
+            if self.recorder is not None:
+                self.recorder.record(self.engine.stats(), timings)
         except Exception:
             logger.exception("recording replica metrics failed")
 

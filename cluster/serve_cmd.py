@@ -16,6 +16,8 @@ from typing import Optional
 
 from pydantic import ValidationError
 
+from cluster.controller import ACTOR_NAME as CONTROLLER_ACTOR
+from cluster.controller_policies import POLICIES
 from cluster.local_cluster import (SERVE_ENV, cluster_alive, haproxy_available, haproxy_env, is_loopback,
                                    keep_ray_on_loopback, ray_init_options)
 from replicas import envs
@@ -55,9 +57,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=256, help="waiting for a replica; beyond -> 503")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="initial runtime knob (Serve user_config), e.g. max_num_batched_tokens=1024; repeatable")
-    p.add_argument("--controller", action="store_true",
-                   help="run the fleet controller: re-tunes max_num_batched_tokens and elastic lending from stats")
+    p.add_argument("--controller", nargs="?", const="auto", default=None, choices=POLICIES, metavar="POLICY",
+                   help="the fleet controller's policy: static (changes nothing), chunk (the smallest "
+                        "max_num_batched_tokens within the TTFT SLO), elastic (lending by prefill pressure), auto "
+                        "(per replica, whichever of the two measured better); bare --controller: auto "
+                        "(default: auto on CUDA, static on CPU)")
     p.add_argument("--controller-interval", type=float, default=5.0, help="seconds between controller rounds")
+    p.add_argument("--controller-advisory", action="store_true",
+                   help="the controller decides, logs and exports its decisions but applies none")
+    p.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="the controller's time-to-first-token SLO")
+    p.add_argument("--itl-slo-ms", type=float, default=100.0, help="the controller's inter-token latency SLO")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a request still running this long is aborted: a 504, or an in-band error on a stream")
     p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -82,7 +91,7 @@ def serve_app_args(args: argparse.Namespace):
     """The Serve app's args from `tidal serve`'s flags: the engine flags as `engine_kwargs`, the device resolved
     on this machine when it starts the cluster (a joined cluster resolves "auto" from its own GPUs). ValueError
     (pydantic's ValidationError is one) for a bad value."""
-    from cluster.app import AppArgs      # imports Ray Serve: not for `tidal --help`
+    from cluster.app import AppArgs, ControllerArgs      # imports Ray Serve: not for `tidal --help`
 
     engine = engine_kwargs_from_args(args)
     if engine.get("device", "auto") == "auto" and not os.environ.get("RAY_ADDRESS"):
@@ -90,10 +99,14 @@ def serve_app_args(args: argparse.Namespace):
     device = engine.get("device", "auto")
     tp = EngineConfig.from_flat(**engine).tensor_parallel_size
     cpus_per_rank = max(1, (os.cpu_count() or 1) // (args.replicas * tp)) if device == "cpu" else 1
+    policy = args.controller or ("auto" if device == "cuda" else "static")
+    controller = ControllerArgs(policy=policy, interval_s=args.controller_interval, advisory=args.controller_advisory,
+                                ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms, app_name=APP_NAME)
     return AppArgs(served_model_name=args.served_model_name, num_replicas=args.replicas, api_key=args.api_key,
                    cpus_per_rank=cpus_per_rank, max_ongoing_requests=args.max_ongoing_requests,
                    max_queued_requests=args.max_queued_requests, engine_kwargs=engine, knobs=_knobs(args.knob),
-                   graceful_shutdown_timeout_s=args.drain_timeout_s, request_timeout_s=args.request_timeout_s)
+                   graceful_shutdown_timeout_s=args.drain_timeout_s, request_timeout_s=args.request_timeout_s,
+                   controller=controller)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -164,9 +177,6 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         model = _wait_until_healthy(url, READY_TIMEOUT_S)
-        if args.controller:
-            from cluster.controller import ControllerConfig, start_controller
-            start_controller(APP_NAME, ControllerConfig(interval_s=args.controller_interval))
         serving.set()
         metrics = "" if joined else f", Prometheus metrics on :{args.metrics_port}"
         for replica_url in replica_urls(APP_NAME, args.host):
@@ -268,7 +278,7 @@ def _cleanup(cluster_lost: bool, state_dir: Optional[str], drain_timeout_s: floa
     if ray.is_initialized() and not cluster_lost:     # Serve's calls would wait on a GCS that is gone
         try:
             try:
-                ray.kill(ray.get_actor("tidal-controller"))
+                ray.kill(ray.get_actor(CONTROLLER_ACTOR), no_restart=True)
             except ValueError:
                 pass                                  # no controller was started
             _begin_drain(drain_timeout_s)

@@ -155,10 +155,12 @@ class StatsRecorder:
         self._record_elastic_latencies(stats, increments)
         self._record_timings(timings)
 
-    def record_controller_decision(self, knob: str, value: float, reason: str) -> None:
+    def record_controller_decision(self, knob: str, value: float, reason: str, applied: bool = True) -> None:
+        """A decision of the fleet controller; one it only advised (`applied` False) leaves the setting as it was."""
         self.sink.inc(METRICS["controller_decisions"], 1, {**self.labels, "knob": knob, "reason": reason})
-        self._settings[knob] = float(value)
-        self.sink.set(METRICS["controller_setting"], float(value), {**self.labels, "knob": knob})
+        if applied:
+            self._settings[knob] = float(value)
+            self.sink.set(METRICS["controller_setting"], float(value), {**self.labels, "knob": knob})
 
     def _record_counters(self, stats: EngineStats) -> dict[str, float]:
         """Exports each counter's increase since the previous snapshot; returns the increases by field."""

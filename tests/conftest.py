@@ -57,12 +57,12 @@ _last_session_server_user: list[pytest.Item] = []
 
 @pytest.fixture(scope="session")
 def tidal_serve_process(tmp_path_factory) -> LocalServer:
-    # Elastic lending (CPU logical reserve) and the fleet controller run too, so the whole serving stack,
-    # their metrics and their dashboards are exercised; the controller's first round restores the budget.
+    # Elastic lending (CPU logical reserve) and the fleet controller (auto, the policy CUDA servers run) too, so
+    # the whole serving stack, their metrics and their dashboards are exercised.
     pool = ServerPool(tmp_path_factory)
     _session_pool.append(pool)
     yield pool.start("--replicas", "2", "--elastic", "elastic", "--reserve-blocks", "128",
-                     "--controller", "--controller-interval", "2", "--knob", "max_num_batched_tokens=4096")
+                     "--controller", "auto", "--controller-interval", "2", "--knob", "max_num_batched_tokens=4096")
     pool.stop_all()
 
 

@@ -179,12 +179,17 @@ TODAYS_FLAGS = [
     ("--spec-budget", "4", "spec_budget", None),
     ("--allow-random-drafter", None, "allow_random_drafter", None),
     ("--knob", "max_num_batched_tokens=1024", "knob", []),
-    ("--controller", None, "controller", False),
+    ("--controller", None, "controller", None),
+    ("--controller", "chunk", "controller", None),
     ("--controller-interval", "2.5", "controller_interval", 5.0),
+    ("--controller-advisory", None, "controller_advisory", False),
+    ("--ttft-slo-ms", "250", "ttft_slo_ms", 1000.0),
+    ("--itl-slo-ms", "40", "itl_slo_ms", 100.0),
 ]
 TODAYS_CHOICES = {"--ingress": ("auto", "haproxy", "proxy"), "--device": ("auto", "cpu", "cuda"),
                   "--load-format": ("auto", "dummy"), "--elastic": ("off", "elastic", "static"),
-                  "--speculative": ("dominotree", "chain", "ddtree")}
+                  "--speculative": ("dominotree", "chain", "ddtree"),
+                  "--controller": ("static", "chunk", "elastic", "auto")}
 
 
 @pytest.mark.parametrize("flag,value,dest,default", TODAYS_FLAGS, ids=[f[0] for f in TODAYS_FLAGS])

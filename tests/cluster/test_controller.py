@@ -1,54 +1,155 @@
-"""The fleet controller: its policy, its loop over real engines, and `tidal serve --controller` end to end."""
+"""The fleet controller: each policy's rules, the bounds, rate limit and advisory mode, state kept on the replicas
+across a controller restart, the loop over real engines, and `tidal serve --controller` end to end: a two-replica
+fleet under a workload that shifts from decode-heavy to long-prompt bursts, the controller killed mid-run, the
+same trace under an advisory controller, and `tidal controller status`."""
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import psutil
 import pytest
 
-from tests.support.checkpoints import make_tiny_llama
-from cluster.controller import Controller, ControllerConfig, Decision, ReplicaView, decide
+from cluster.controller import Controller
+from cluster.controller_policies import (AutoPolicy, ChunkPolicy, ControllerConfig, Decision, ElasticPolicy,
+                                         ReplicaView)
 from replicas import LLM, SamplingParams
 from replicas.stats import EngineStats
+from tests.support import REPO
+from tests.support.checkpoints import make_tiny_llama
 
-CFG = ControllerConfig(kv_pressure=0.9, queue_backlog=4, min_budget=64)
-
-
-def view(**kw) -> ReplicaView:
-    stats = EngineStats(kv_blocks_total=100, max_num_batched_tokens=kw.pop("budget", 256))
-    for k, v in kw.items():
-        setattr(stats, k, v)
-    return ReplicaView("r0", stats, budget_limit=1024, elastic_available=True)
+CFG = ControllerConfig(policy="chunk", ttft_slo_ms=100.0, itl_slo_ms=50.0, min_budget=64, min_requests=2,
+                       cooldown_rounds=1, trial_rounds=3, exploit_rounds=10)
 
 
-def test_policy_rules():
-    assert decide(view(kv_blocks_used=95), None, CFG) == Decision("elastic", "elastic", "kv_pressure")
-    busy = view(num_waiting=6, num_running=2, kv_blocks_used=10)
-    assert decide(busy, None, CFG) == Decision("max_num_batched_tokens", 512, "queue_backlog")
-    lent = view(num_running=3, preemptions=5, budget=512, elastic_mode="elastic")
-    assert decide(lent, replace(lent.stats, preemptions=2), CFG) == Decision("max_num_batched_tokens", 256,
-                                                                                 "preemptions")
-    assert decide(view(budget=128), None, CFG) == Decision("max_num_batched_tokens", 1024, "idle_reset")
-    assert decide(view(budget=1024, num_running=1), None, CFG) is None
-    capped = view(num_waiting=9, num_running=1, budget=768)
-    assert decide(capped, None, CFG).value == 1024        # never above what the engine reserved memory for
+def view(ttft_ms=(), itl_ms=None, at=10.0, budget=256, limit=1024, elastic=True, state=None, **stats) -> ReplicaView:
+    s = EngineStats(kv_blocks_total=100, max_num_batched_tokens=budget)
+    for k, v in stats.items():
+        setattr(s, k, v)
+    itl_ms = itl_ms if itl_ms is not None else [10.0] * len(ttft_ms)
+    recent = {"finished_at": [at] * len(ttft_ms), "ttft_s": [t / 1e3 for t in ttft_ms],
+              "itl_s": [i / 1e3 for i in itl_ms], "prompt_tokens": [32] * len(ttft_ms)}
+    return ReplicaView("r0", s, budget_limit=limit, elastic_available=elastic, recent=recent, state=state or {})
+
+
+def test_chunk_halves_within_the_slo_doubles_over_it_and_holds_in_between():
+    chunk = ChunkPolicy(CFG)
+    assert chunk.decide(view([10, 20, 30]), {}, now=11.0) == [Decision("max_num_batched_tokens", 128,
+                                                                       "ttft_within_slo")]
+    assert chunk.decide(view([150, 200, 300]), {}, now=11.0) == [Decision("max_num_batched_tokens", 512,
+                                                                          "ttft_over_slo")]
+    assert chunk.decide(view([70, 80, 90]), {}, now=11.0) == []                 # the hysteresis band
+    assert chunk.decide(view([10]), {}, now=11.0) == []                         # too few requests to judge
+    assert chunk.decide(view([10, 10], at=5.0), {"changed_at": 6.0}, now=11.0) == []    # before the last change
+    assert chunk.decide(view([10, 10], budget=64), {}, now=11.0) == []          # at its floor
+    assert chunk.decide(view([500, 500], budget=1024), {}, now=11.0) == []      # at the engine's limit
+
+
+def test_elastic_lends_under_kv_pressure_and_stops_under_prefill_pressure():
+    policy = ElasticPolicy(CFG)
+    state = {}
+    assert policy.decide(view(kv_blocks_used=95, elastic_mode="off"), state, 11.0) == [
+        Decision("elastic", "elastic", "kv_pressure")]
+    assert policy.decide(view(kv_blocks_used=95, elastic_mode="off", num_waiting=3), {}, 11.0) == []
+    state = {}
+    policy.decide(view(elastic_mode="elastic", elastic_preemptions=1), state, 11.0)
+    assert policy.decide(view(elastic_mode="elastic", elastic_preemptions=3, num_waiting=2), state, 12.0) == [
+        Decision("elastic", "off", "prefill_pressure")]
+    assert policy.decide(view(kv_blocks_used=99, elastic_mode="off", elastic=False), {}, 11.0) == []
+
+
+def test_auto_measures_both_knobs_then_keeps_the_one_that_met_the_slo_more_often():
+    """The chunk trial sees slow first tokens, the elastic trial fast ones: auto settles on elastic, having put
+    each arm's other knob at its neutral setting, and measures both again after exploit_rounds."""
+    auto, state, now = AutoPolicy(CFG), {}, 100.0
+    seen = []
+    for r in range(8):
+        arm = state.get("arm", "chunk")
+        slow = arm == "chunk"
+        v = view([300.0] * 3 if slow else [20.0] * 3, at=now - 0.5, budget=512, elastic_mode="elastic" if r else "off")
+        seen.append((state.get("phase"), state.get("arm"), auto.decide(v, state, now)))
+        now += 1.0
+    assert seen[1][2] == [Decision("elastic", "off", "auto_chunk")]      # chunk trial: lending off
+    arms = [arm for _, arm, _ in seen]
+    assert arms[1:3] == ["chunk"] * 2 and arms[3:6] == ["elastic"] * 3
+    assert state["scores"] == {"chunk": 0.0, "elastic": 1.0}
+    assert state["phase"] == "exploit" and state["arm"] == "elastic"
+    assert any(d == [Decision("max_num_batched_tokens", 1024, "auto_elastic")] for _, _, d in seen)
+    rounds = 0
+    while state["phase"] == "exploit":
+        auto.decide(view([20.0] * 3, at=now - 0.5, budget=1024, elastic_mode="elastic"), state, now)
+        now, rounds = now + 1.0, rounds + 1
+        assert rounds <= CFG.exploit_rounds
+    assert state["arm"] == "chunk" and state["scores"] == {}
+
+
+class RecordingFleet:
+    """Views given by the test, what the controller sends kept; replica state round-trips as on real replicas."""
+
+    def __init__(self, views):
+        self._views, self.sent = views, []
+
+    def views(self):
+        return self._views
+
+    def apply(self, payload):
+        self.sent.append(payload)
+        for v in self._views:
+            v.state = payload[v.replica_id]["state"]
+
+
+def test_bounds_rate_limit_advisory_and_state_that_survives_a_restart():
+    fleet = RecordingFleet([view([10, 10, 10], at=0.5)])
+    ctl = Controller(fleet, replace(CFG, cooldown_rounds=2))
+    assert ctl.step(now=1.0) == {"r0": [Decision("max_num_batched_tokens", 128, "ttft_within_slo")]}
+    fleet.views()[0].stats.max_num_batched_tokens = 128
+    fleet.views()[0].recent["finished_at"] = [1.5] * 3
+    assert ctl.step(now=2.0) == {}                                   # within the cooldown
+    assert ctl.step(now=3.0) == {}
+    restarted = Controller(fleet, replace(CFG, cooldown_rounds=2))   # a new controller: the replica's state
+    assert restarted.step(now=4.0) == {"r0": [Decision("max_num_batched_tokens", 64, "ttft_within_slo")]}
+    assert fleet.sent[-1]["r0"]["state"]["round"] == 4
+    assert restarted.bounded(fleet.views()[0], [Decision("max_num_batched_tokens", 99999, "x"),
+                                                 Decision("elastic", "static", "x")]) == [
+        Decision("max_num_batched_tokens", 1024, "x")]
+    advisory = RecordingFleet([view([10, 10, 10], at=0.5)])
+    Controller(advisory, replace(CFG, advisory=True)).step(now=1.0)
+    assert advisory.sent[0]["r0"]["advisory"] and advisory.sent[0]["r0"]["decisions"]
 
 
 class LocalFleet:
-    """Engines in this process; Serve's broadcast transport is covered by the end-to-end test below."""
+    """Engines in this process, with each engine's finished requests as its recent window."""
 
     def __init__(self, engines):
         self.engines = engines
+        self.states = [{} for _ in engines]
+        self.recent = [{"finished_at": [], "ttft_s": [], "itl_s": [], "prompt_tokens": []} for _ in engines]
 
     def views(self):
-        return [ReplicaView(f"r{i}", replace(e.get_stats()), e.config.scheduling.max_num_batched_tokens,
-                            e.elastic is not None) for i, e in enumerate(self.engines)]
+        out = []
+        for i, e in enumerate(self.engines):
+            for t in e.drain_finished_timings():
+                r = self.recent[i]
+                r["finished_at"].append(time.time())
+                r["ttft_s"].append(t.first_token_time - t.arrival_time)
+                r["itl_s"].append(0.0)
+                r["prompt_tokens"].append(t.num_prompt_tokens)
+            out.append(ReplicaView(f"r{i}", e.get_stats(), e.config.scheduling.max_num_batched_tokens,
+                                   e.elastic is not None, self.recent[i], self.states[i]))
+        return out
 
-    def apply(self, decisions):
-        for rid, ds in decisions.items():
-            for d in ds:
-                self.engines[int(rid[1:])].reconfigure(**{d.knob: d.value})
-        return decisions
+    def apply(self, payload):
+        for rid, entry in payload.items():
+            i = int(rid[1:])
+            self.states[i] = entry["state"]
+            if not entry["advisory"]:
+                for knob, value, _ in entry["decisions"]:
+                    self.engines[i].reconfigure(**{knob: value})
 
 
 @pytest.fixture(scope="module")
@@ -56,49 +157,144 @@ def tiny(tmp_path_factory):
     return make_tiny_llama(str(tmp_path_factory.mktemp("ctl")), num_attention_heads=4, num_key_value_heads=2)
 
 
-def test_controller_loop_on_real_engines(tiny):
-    llm = LLM(model=tiny, max_num_seqs=2, max_num_batched_tokens=512, num_kv_blocks=100, reserve_blocks=60,
-              elastic="elastic", max_model_len=512)
+@pytest.mark.parametrize("advisory", [False, True])
+def test_chunk_policy_on_real_engines_lowers_the_budget_unless_advisory(tiny, advisory):
+    llm = LLM(model=tiny, max_num_seqs=4, max_num_batched_tokens=512, num_kv_blocks=100, max_model_len=512)
     engine = llm.engine
-    engine.reconfigure(elastic="off", max_num_batched_tokens=64)
-    ctl = Controller(LocalFleet([engine]), CFG)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for i in range(10):
-        engine.add_request(f"q{i}", [5 + i] * 20, params)
-    engine.step()
-    assert ctl.step() == {"r0": [Decision("max_num_batched_tokens", 128, "queue_backlog")]}
-    assert engine.scheduler.max_num_batched_tokens == 128
-    while engine.has_unfinished:
-        engine.step()
-    assert ctl.step() == {"r0": [Decision("max_num_batched_tokens", 512, "idle_reset")]}
-    for i in range(2):                                            # fill the 40 base blocks past 90%
-        engine.add_request(f"big{i}", [7 + i] * 300, params)
-    engine.step()
-    engine.step()
-    assert ctl.step()["r0"] == [Decision("elastic", "elastic", "kv_pressure")]
-    assert engine.elastic.mode == "elastic"
-    while engine.has_unfinished:
-        engine.step()
-    llm.shutdown()
-
-
-def test_tidal_serve_controller_restores_the_budget(tidal_server_factory):
-    server = tidal_server_factory("--replicas", "2", "--max-num-batched-tokens", "1024",
-                                  "--knob", "max_num_batched_tokens=128", "--controller", "--controller-interval", "1")
-    deadline = time.monotonic() + 120
+    cfg = replace(CFG, ttft_slo_ms=60_000.0, advisory=advisory)          # every first token is within it
+    ctl = Controller(LocalFleet([engine]), cfg)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     budgets = []
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{server.url}/stats", timeout=30) as r:
-            budgets = [d["stats"]["max_num_batched_tokens"] for d in json.load(r)["data"]]
-        if budgets and all(b == 1024 for b in budgets):
-            break
-        time.sleep(1)
-    assert budgets == [1024, 1024], f"the idle fleet was not restored to its budget: {budgets}\n{server.log_tail()}"
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    deadline = time.monotonic() + 30
-    while "controller_decisions" not in text and time.monotonic() < deadline:
-        time.sleep(2)
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30) as r:
-            text = r.read().decode()
-    assert 'reason="idle_reset"' in text and "ray_tidal_controller_decisions" in text
+    try:
+        for round_ in range(6):
+            for i in range(3):
+                engine.add_request(f"q{round_}-{i}", [5 + i] * 20, params)
+            while engine.has_unfinished:
+                engine.step()
+            ctl.step()
+            budgets.append(engine.scheduler.max_num_batched_tokens)
+    finally:
+        llm.shutdown()
+    if advisory:
+        assert budgets == [512] * 6 and ctl.history                     # decided, applied nothing
+    else:
+        assert budgets[0] == 256 and budgets[-1] == CFG.min_budget and sorted(budgets, reverse=True) == budgets
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------
+
+TINY = "tiny-llama"
+INTERVAL_S = 1
+DECODE = [{"prompt": f"Story {i}: once upon a time", "max_tokens": 96} for i in range(8)]
+BURST = [{"prompt": f"Burst {i}: " + " ".join(["the cat sat"] * 70), "max_tokens": 4} for i in range(12)]  # ~450 tokens
+
+
+def fleet_server(factory, tiny, *flags):
+    return factory("--model", tiny, "--served-model-name", TINY, "--replicas", "2", "--max-num-batched-tokens", "2048",
+                   "--max-model-len", "512", "--elastic", "elastic", "--reserve-blocks", "16",
+                   "--controller-interval", str(INTERVAL_S), "--ttft-slo-ms", "400", *flags)
+
+
+def replicas(server) -> list[dict]:
+    with urllib.request.urlopen(f"{server.url}/stats", timeout=60) as r:
+        return json.load(r)["data"]
+
+
+def ttft_of(server, body: dict) -> float:
+    """Seconds to the first streamed token of one completion (which must finish)."""
+    req = urllib.request.Request(f"{server.url}/v1/completions", method="POST",
+                                 data=json.dumps({"model": TINY, "ignore_eos": True, "stream": True, **body}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start, first, finished = time.monotonic(), None, False
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: {") and first is None:
+                first = time.monotonic() - start
+            if '"finish_reason":"length"' in line.replace(" ", ""):
+                finished = True
+    assert finished and first is not None
+    return first
+
+
+def replay(server, during=None) -> list[float]:
+    """The trace: a decode-heavy phase, then two long-prompt bursts over a decode load; `during` runs between the
+    phases. Returns every request's TTFT."""
+    with ThreadPoolExecutor(16) as pool:
+        ttfts = list(pool.map(lambda b: ttft_of(server, b), DECODE * 2))
+        if during is not None:
+            during()
+        for _ in range(2):
+            decodes = [pool.submit(ttft_of, server, b) for b in DECODE[:4]]
+            ttfts += list(pool.map(lambda b: ttft_of(server, b), BURST))
+            ttfts += [f.result() for f in decodes]
+    return ttfts
+
+
+def controller_pids(server) -> list[int]:
+    pids = []
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            if "FleetController" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+def wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return got
+
+
+@pytest.mark.timeout(900)
+def test_a_fleet_under_a_shifting_workload_with_auto_and_advisory_controllers(tidal_server_factory, tiny,
+                                                                             record_property):
+    auto = fleet_server(tidal_server_factory, tiny, "--controller", "auto")
+    advisory = fleet_server(tidal_server_factory, tiny, "--controller", "auto", "--controller-advisory")
+    killed = {}
+
+    def kill_the_controller():
+        killed["round"] = min(r["controller"]["state"].get("round", 0) for r in replicas(auto))
+        pids = wait_for(lambda: controller_pids(auto), 30, "the controller's process")
+        os.kill(pids[0], signal.SIGKILL)
+        killed["new_pid"] = wait_for(lambda: [p for p in controller_pids(auto) if p != pids[0]], 60,
+                                     "Ray to restart the controller")
+
+    with ThreadPoolExecutor(2) as pool:                    # the same trace on both fleets at once
+        auto_run, advisory_run = pool.submit(replay, auto, kill_the_controller), pool.submit(replay, advisory)
+        auto_ttfts, advisory_ttfts = auto_run.result(), advisory_run.result()
+    assert len(auto_ttfts) == len(advisory_ttfts) == 16 + 2 * (4 + len(BURST))      # every request completed
+
+    # The restarted controller carried on from the state on the replicas: rounds count on, nothing reset.
+    wait_for(lambda: min(r["controller"]["state"].get("round", 0) for r in replicas(auto)) > killed["round"] + 3,
+             60, "rounds of the restarted controller")
+    for r in replicas(auto):
+        state, log, stats = r["controller"]["state"], r["controller"]["log"], r["stats"]
+        assert state["policy"] == "auto" and set(state["scores"]) <= {"chunk", "elastic"}
+        assert state["round"] > killed["round"] + 3
+        assert log, f"the auto controller changed nothing on {r['replica_id']}"
+        for d in log:
+            assert d["applied"]
+            assert d["knob"] != "max_num_batched_tokens" or 256 <= d["value"] <= r["budget_limit"]
+        assert 256 <= stats["max_num_batched_tokens"] <= r["budget_limit"]
+    for r in replicas(advisory):                               # decisions logged, nothing applied
+        assert r["stats"]["max_num_batched_tokens"] == r["budget_limit"] == 2048
+        assert r["stats"]["elastic_mode"] == "elastic"
+        assert all(not d["applied"] for d in r["controller"]["log"])
+    assert any(r["controller"]["log"] for r in replicas(advisory))
+
+    slo_s = 0.4
+    attainment = {name: sum(t <= slo_s for t in ttfts) / len(ttfts)
+                  for name, ttfts in (("auto", auto_ttfts), ("advisory", advisory_ttfts))}
+    record_property("ttft_slo_attainment", attainment)
+    print(f"TTFT SLO attainment on the same trace: {attainment}")
+
+    status = subprocess.run([sys.executable, "-m", "cluster.cli", "controller", "status", "--address", auto.url],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert status.stdout.count("replica ") == 2 and "policy auto" in status.stdout
+    assert "max_num_batched_tokens" in status.stdout and " set " in status.stdout

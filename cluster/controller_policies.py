@@ -1,0 +1,212 @@
+"""The fleet controller's policies: what one replica's knobs should be, judged from its own recent traffic.
+
+A policy's `decide(view, state, now)` returns the decisions for one replica and may update `state`, a plain dict
+that the replica keeps for the controller (so a restarted controller carries on where it stopped). The
+controller bounds what a policy decides (`Controller.bounded`) and rate-limits it (`cooldown_rounds` after a
+change), and the policies keep a hysteresis band of their own.
+
+- `static`: changes nothing.
+- `chunk`: the smallest `max_num_batched_tokens` that keeps TTFT within the SLO. Halves the budget while the
+  p90 TTFT of the requests finished since the last change stays under `headroom` x SLO, doubles it (up to the
+  budget the engine reserved activation memory for) once it is over the SLO; between the two it holds.
+- `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
+  `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
+  wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
+- `auto`: per replica, measures both (a trial of `trial_rounds` rounds each, with the other knob at its neutral
+  setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
+  SLOs more often, and measures again after `exploit_rounds`. It decides from what it measured, never from
+  a default belief about which knob pays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from replicas.stats import EngineStats
+
+POLICIES = ("static", "chunk", "elastic", "auto")
+ARMS = ("chunk", "elastic")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    policy: str = "static"
+    interval_s: float = 5.0
+    advisory: bool = False              # decide and log (and export), apply nothing
+    ttft_slo_ms: float = 1000.0
+    itl_slo_ms: float = 100.0
+    min_budget: int = 256               # chunk never goes below (nor below what the engine allows)
+    kv_pressure: float = 0.90
+    min_requests: int = 4               # finished requests a latency judgment needs
+    window_s: float = 60.0              # a judgment looks at most this far back
+    headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
+    cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
+    trial_rounds: int = 6               # auto: rounds each knob is measured
+    exploit_rounds: int = 60            # auto: rounds on the better knob before measuring both again
+
+
+@dataclass(frozen=True)
+class Decision:
+    knob: str                 # "max_num_batched_tokens" | "elastic"
+    value: object
+    reason: str
+
+
+@dataclass(frozen=True)
+class Window:
+    """The requests a replica finished in a span of time."""
+    ttft_s: list[float]
+    itl_s: list[float]
+    prompt_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ttft_s)
+
+    def ttft_quantile(self, q: float) -> float:
+        return quantile(self.ttft_s, q)
+
+    def attainment(self, cfg: ControllerConfig) -> Optional[float]:
+        """The share of requests that met both the TTFT and the inter-token SLO (None: no request)."""
+        if not self.ttft_s:
+            return None
+        met = sum(1 for t, i in zip(self.ttft_s, self.itl_s)
+                  if t * 1e3 <= cfg.ttft_slo_ms and i * 1e3 <= cfg.itl_slo_ms)
+        return met / len(self.ttft_s)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class ReplicaView:
+    replica_id: str
+    stats: EngineStats
+    budget_limit: int                   # the max_num_batched_tokens the replica's engine was sized for
+    elastic_available: bool
+    recent: dict[str, list] = field(default_factory=dict)     # RecentRequests.since columns
+    state: dict = field(default_factory=dict)                 # what the controller left on the replica
+
+    def window(self, since: float) -> Window:
+        r = self.recent
+        keep = [i for i, t in enumerate(r.get("finished_at", [])) if t > since]
+        return Window([r["ttft_s"][i] for i in keep], [r["itl_s"][i] for i in keep],
+                      [r["prompt_tokens"][i] for i in keep])
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]: ...
+
+
+def judged_window(view: ReplicaView, state: dict, now: float, cfg: ControllerConfig) -> Window:
+    """The requests finished since the replica's last change, at most `window_s` back."""
+    return view.window(max(state.get("changed_at", 0.0), now - cfg.window_s))
+
+
+class StaticPolicy:
+    name = "static"
+
+    def __init__(self, cfg: ControllerConfig):
+        self.cfg = cfg
+
+    def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
+        return []
+
+
+class ChunkPolicy:
+    name = "chunk"
+
+    def __init__(self, cfg: ControllerConfig):
+        self.cfg = cfg
+
+    def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
+        cfg = self.cfg
+        budget, limit = view.stats.max_num_batched_tokens, view.budget_limit
+        window = judged_window(view, state, now, cfg)
+        if len(window) < cfg.min_requests:
+            return []
+        p90_ms = window.ttft_quantile(0.9) * 1e3
+        if p90_ms > cfg.ttft_slo_ms and budget < limit:
+            return [Decision("max_num_batched_tokens", min(limit, 2 * budget), "ttft_over_slo")]
+        if p90_ms < cfg.headroom * cfg.ttft_slo_ms and budget > min(cfg.min_budget, limit):
+            return [Decision("max_num_batched_tokens", max(min(cfg.min_budget, limit), budget // 2),
+                             "ttft_within_slo")]
+        return []
+
+
+class ElasticPolicy:
+    name = "elastic"
+
+    def __init__(self, cfg: ControllerConfig):
+        self.cfg = cfg
+
+    def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
+        s = view.stats
+        seen = state.get("counters", {})
+        preempted = s.preemptions - seen.get("preemptions", s.preemptions)
+        reclaim_preempted = s.elastic_preemptions - seen.get("elastic_preemptions", s.elastic_preemptions)
+        state["counters"] = {"preemptions": s.preemptions, "elastic_preemptions": s.elastic_preemptions}
+        if not view.elastic_available:
+            return []
+        if s.elastic_mode == "off" and s.num_waiting == 0 and (s.kv_cache_usage >= self.cfg.kv_pressure
+                                                              or preempted > 0):
+            return [Decision("elastic", "elastic", "kv_pressure")]
+        if s.elastic_mode != "off" and reclaim_preempted > 0 and s.num_waiting > 0:
+            return [Decision("elastic", "off", "prefill_pressure")]
+        return []
+
+
+class AutoPolicy:
+    name = "auto"
+
+    def __init__(self, cfg: ControllerConfig):
+        self.cfg = cfg
+        self.arms = {"chunk": ChunkPolicy(cfg), "elastic": ElasticPolicy(cfg)}
+
+    def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
+        cfg = self.cfg
+        arms = list(ARMS) if view.elastic_available else ["chunk"]
+        if state.get("arm") not in arms:
+            self._enter(state, arms[0], "trial" if len(arms) > 1 else "exploit", now)
+            state["scores"] = {}
+        state["arm_rounds"] = state.get("arm_rounds", 0) + 1
+        arm = state["arm"]
+        if state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
+            score = view.window(state["entered_at"]).attainment(cfg)
+            if score is not None or state["arm_rounds"] >= 3 * cfg.trial_rounds:
+                state["scores"][arm] = score
+                untried = [a for a in arms if a not in state["scores"]]
+                if untried:
+                    self._enter(state, untried[0], "trial", now)
+                else:
+                    scored = {a: s for a, s in state["scores"].items() if s is not None}
+                    best = max(scored, key=lambda a: (scored[a], a == arm)) if scored else arm
+                    self._enter(state, best, "exploit", now)
+        elif state["phase"] == "exploit" and len(arms) > 1 and state["arm_rounds"] >= cfg.exploit_rounds:
+            state["scores"] = {}
+            self._enter(state, arms[0], "trial", now)
+        return self._neutral(view, state["arm"]) or self.arms[state["arm"]].decide(view, state, now)
+
+    @staticmethod
+    def _enter(state: dict, arm: str, phase: str, now: float) -> None:
+        state.update(arm=arm, phase=phase, arm_rounds=0, entered_at=now)
+
+    @staticmethod
+    def _neutral(view: ReplicaView, arm: str) -> list[Decision]:
+        """The other knob at its neutral setting while `arm` is the one in use (re-issued until it holds)."""
+        s = view.stats
+        if arm == "chunk" and view.elastic_available and s.elastic_mode != "off":
+            return [Decision("elastic", "off", "auto_chunk")]
+        if arm == "elastic" and s.max_num_batched_tokens != view.budget_limit:
+            return [Decision("max_num_batched_tokens", view.budget_limit, "auto_elastic")]
+        return []
+
+
+def make_policy(cfg: ControllerConfig) -> Policy:
+    kinds = {"static": StaticPolicy, "chunk": ChunkPolicy, "elastic": ElasticPolicy, "auto": AutoPolicy}
+    if cfg.policy not in kinds:
+        raise ValueError(f"unknown controller policy {cfg.policy!r}; choose one of {POLICIES}")
+    return kinds[cfg.policy](cfg)
