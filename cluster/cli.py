@@ -1,4 +1,4 @@
-"""The `tidal` command line: serve, generate, bench, train-drafter."""
+"""The `tidal` command line: serve, generate, bench, controller, train-drafter."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     _add_generate_parser(sub)
     add_bench_parser(sub)
+    from cluster.controller_status import add_controller_parser
+    add_controller_parser(sub)
     from speculative.train import add_arguments as add_train_drafter_arguments
     add_train_drafter_arguments(sub.add_parser(
         "train-drafter", help="train a DominoTree drafter by self-distillation (Ray Train, resumable)"))
@@ -61,6 +63,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "bench":
         from cluster.benchmark.cli import run_bench
         return run_bench(args)
+    if args.command == "controller":
+        from cluster.controller_status import run_controller_command
+        return run_controller_command(args)
     if args.command == "train-drafter":
         from speculative.train import run as run_train_drafter
         return run_train_drafter(args)
