@@ -104,3 +104,15 @@ def test_podmonitor_relabels_like_the_tests_prometheus():
     assert rule["replacement"] == want["replacement"] and rule["targetLabel"] == want["target_label"]
     kust = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
     assert set(kust["resources"]) == {"rayservice.yaml", "podmonitor.yaml", "networkpolicy.yaml"}
+
+
+@pytest.mark.timeout(30)
+def test_serve_autoscales_the_replicas_and_the_controller_tunes_them():
+    doc = rayservice()
+    app = AppArgs(**yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"])
+    scaling = app.autoscaling_config
+    assert 1 <= scaling["min_replicas"] < scaling["max_replicas"] and scaling["target_ongoing_requests"] > 0
+    assert doc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    workers = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert workers["maxReplicas"] >= scaling["max_replicas"]           # a GPU worker per replica at the most
+    assert app.controller.policy == "auto" and app.controller.app_name == "tidal"
