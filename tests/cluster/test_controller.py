@@ -12,7 +12,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-import psutil
 import pytest
 
 from cluster.controller import Controller
@@ -22,6 +21,7 @@ from replicas import LLM, SamplingParams
 from replicas.stats import EngineStats
 from tests.support import REPO
 from tests.support.checkpoints import make_tiny_llama
+from tests.support.serve import processes_titled
 
 CFG = ControllerConfig(policy="chunk", ttft_slo_ms=100.0, itl_slo_ms=50.0, min_budget=64, min_requests=2,
                        cooldown_rounds=1, trial_rounds=3, exploit_rounds=10)
@@ -231,17 +231,6 @@ def replay(server, during=None) -> list[float]:
     return ttfts
 
 
-def controller_pids(server) -> list[int]:
-    pids = []
-    for proc in psutil.Process(server.process.pid).children(recursive=True):
-        try:
-            if "FleetController" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
-                pids.append(proc.pid)
-        except psutil.Error:
-            continue
-    return pids
-
-
 def wait_for(check, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while not (got := check()):
@@ -259,9 +248,9 @@ def test_a_fleet_under_a_shifting_workload_with_auto_and_advisory_controllers(ti
 
     def kill_the_controller():
         killed["round"] = min(r["controller"]["state"].get("round", 0) for r in replicas(auto))
-        pids = wait_for(lambda: controller_pids(auto), 30, "the controller's process")
+        pids = wait_for(lambda: processes_titled(auto, "FleetController"), 30, "the controller's process")
         os.kill(pids[0], signal.SIGKILL)
-        killed["new_pid"] = wait_for(lambda: [p for p in controller_pids(auto) if p != pids[0]], 60,
+        killed["new_pid"] = wait_for(lambda: [p for p in processes_titled(auto, "FleetController") if p != pids[0]], 60,
                                      "Ray to restart the controller")
 
     with ThreadPoolExecutor(2) as pool:                    # the same trace on both fleets at once

@@ -16,11 +16,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
 import requests
 from tests.support.checkpoints import make_tiny_llama
 from tests.support import REPO
+from tests.support.serve import processes_titled, wait_serving
 
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.replica import EngineReplica
@@ -165,78 +165,52 @@ RANK_FAILURE_WITHIN_S = 30     # a client's error after a TP rank died (gloo not
 SERVING_AGAIN_WITHIN_S = 120   # Serve replaces the replica: a new placement group, engine core and rank
 
 
-def rank_worker_pids(server) -> list[int]:
-    """The server's live TP rank actors (`RankWorker`), found among its descendants by their process title."""
-    pids = []
-    for proc in psutil.Process(server.process.pid).children(recursive=True):
+class BackgroundStream(threading.Thread):
+    """A streamed completion read in a thread: its `data:` payloads, and an event set at the first one."""
+
+    def __init__(self, server, body: dict):
+        super().__init__()
+        self.server, self.body = server, {**body, "stream": True}
+        self.events: list[str] = []
+        self.first_chunk = threading.Event()
+
+    def run(self) -> None:
         try:
-            if "RankWorker" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
-                pids.append(proc.pid)
-        except psutil.Error:
-            continue
-    return pids
+            with requests.post(f"{self.server.url}/v1/completions", json=self.body, stream=True, timeout=600,
+                               headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                for line in r.iter_lines(decode_unicode=True):
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: "):])
+                        self.first_chunk.set()
+        finally:
+            self.first_chunk.set()
 
 
 @pytest.mark.timeout(300, func_only=True)
 def test_a_killed_tp_rank_fails_the_stream_and_the_replica_is_replaced(tp2_server):
     """kill -9 rank 1 of the TP=2 replica mid-stream: rank 0's next collective fails, the engine core dies, the
     client gets an in-band error and [DONE], and Serve replaces the replica (the SIGTERM test below needs it)."""
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    ranks = rank_worker_pids(tp2_server)
+    ranks = processes_titled(tp2_server, "RankWorker")
     assert len(ranks) == 1, f"expected one rank actor, found {ranks}"
-    body = {"model": TINY, "prompt": "Once", "max_tokens": 480, "ignore_eos": True, "stream": True}
-    first_chunk, events = threading.Event(), []
-
-    def stream():
-        with requests.post(f"{tp2_server.url}/v1/completions", json=body, headers=headers, stream=True,
-                           timeout=600) as r:
-            for line in r.iter_lines(decode_unicode=True):
-                if line.startswith("data: "):
-                    events.append(line[len("data: "):])
-                    first_chunk.set()
-        first_chunk.set()
-
-    client = threading.Thread(target=stream)
+    client = BackgroundStream(tp2_server, {"model": TINY, "prompt": "Once", "max_tokens": 480, "ignore_eos": True})
     client.start()
-    assert first_chunk.wait(120)
+    assert client.first_chunk.wait(120)
     os.kill(ranks[0], signal.SIGKILL)
     client.join(RANK_FAILURE_WITHIN_S)
     assert not client.is_alive(), f"the stream still runs {RANK_FAILURE_WITHIN_S} s after its TP rank died"
-    assert events[-1] == "[DONE]", events[-3:]
-    assert json.loads(events[-2])["error"]["code"] == "engine_unavailable", events[-2]
-    deadline = time.monotonic() + SERVING_AGAIN_WITHIN_S
-    while True:
-        try:
-            r = requests.post(f"{tp2_server.url}/v1/completions", headers=headers, timeout=60,
-                              json={"model": TINY, "prompt": "Hello", "max_tokens": 2})
-            if r.status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, f"not serving within {SERVING_AGAIN_WITHIN_S} s:\n{tp2_server.log_tail()}"
-        time.sleep(0.5)
-    assert rank_worker_pids(tp2_server) not in ([], ranks)
+    assert client.events[-1] == "[DONE]", client.events[-3:]
+    assert json.loads(client.events[-2])["error"]["code"] == "engine_unavailable", client.events[-2]
+    wait_serving(tp2_server, TINY, SERVING_AGAIN_WITHIN_S, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert processes_titled(tp2_server, "RankWorker") not in ([], ranks)
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_cleanly(tp2_server):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": TINY, "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    first_chunk, events = threading.Event(), []
-
-    def stream():
-        with requests.post(f"{tp2_server.url}/v1/completions", json=body, headers=headers, stream=True,
-                           timeout=600) as r:
-            for line in r.iter_lines(decode_unicode=True):
-                if line.startswith("data: "):
-                    events.append(line[len("data: "):])
-                    first_chunk.set()
-        first_chunk.set()
-
-    client = threading.Thread(target=stream)
+    client = BackgroundStream(tp2_server, {"model": TINY, "prompt": "Once", "max_tokens": 200, "ignore_eos": True})
     client.start()
-    assert first_chunk.wait(300)
+    assert client.first_chunk.wait(300)
     assert tp2_server.stop() == 0, tp2_server.log_tail()
     client.join(60)
+    events = client.events
     assert events[-1] == "[DONE]", events[-3:]
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -14,6 +14,8 @@ import psutil
 import pytest
 import requests
 
+from tests.support.serve import wait_serving
+
 REQUEST_TIMEOUT_S = 15
 WATCHDOG_S = 4
 DRAIN_TIMEOUT_S = 6
@@ -71,19 +73,6 @@ def in_band_error(events: list[str]) -> dict:
 def running_sequences(server) -> int:
     reply = requests.get(f"{server.url}/stats", timeout=30).json()
     return sum(r["stats"]["num_running"] for r in reply["data"])
-
-
-def wait_serving(server, model: str, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            r = post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 1})
-            if r.status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, f"not serving within {within_s} s:\n{server.log_tail()}"
-        time.sleep(0.5)
 
 
 def wait_health_fails(server, within_s: float) -> requests.Response:
