@@ -106,21 +106,22 @@ def judged_window(view: ReplicaView, state: dict, now: float, cfg: ControllerCon
     return view.window(max(state.get("changed_at", 0.0), now - cfg.window_s))
 
 
-class StaticPolicy:
-    name = "static"
+class ConfiguredPolicy:
+    name: str
 
     def __init__(self, cfg: ControllerConfig):
         self.cfg = cfg
+
+
+class StaticPolicy(ConfiguredPolicy):
+    name = "static"
 
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
         return []
 
 
-class ChunkPolicy:
+class ChunkPolicy(ConfiguredPolicy):
     name = "chunk"
-
-    def __init__(self, cfg: ControllerConfig):
-        self.cfg = cfg
 
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
         cfg = self.cfg
@@ -137,11 +138,8 @@ class ChunkPolicy:
         return []
 
 
-class ElasticPolicy:
+class ElasticPolicy(ConfiguredPolicy):
     name = "elastic"
-
-    def __init__(self, cfg: ControllerConfig):
-        self.cfg = cfg
 
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
         s = view.stats
@@ -159,11 +157,11 @@ class ElasticPolicy:
         return []
 
 
-class AutoPolicy:
+class AutoPolicy(ConfiguredPolicy):
     name = "auto"
 
     def __init__(self, cfg: ControllerConfig):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.arms = {"chunk": ChunkPolicy(cfg), "elastic": ElasticPolicy(cfg)}
 
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
