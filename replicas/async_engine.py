@@ -173,7 +173,7 @@ class AsyncLLMEngine:
             self._error = reason                # set before the streams are read: a new stream checks it after
         if not self._stopping:                  # registering, so none is missed
             log.error("%s", reason)
-        self._publish([(rid, reason) for rid in list(self._streams)])
+        self.fail_streams(reason)
         for call_id in list(self._calls):
             fut = self._calls.pop(call_id, None)
             if fut is not None:
@@ -289,12 +289,10 @@ class AsyncLLMEngine:
             if sent and not finished:
                 self.abort(request_id)
 
-    def fail_streams(self, error: BaseException) -> int:
-        """End every open stream with `error` (each generator raises it and aborts its request); returns how
-        many. The engine goes on serving new requests."""
-        ids = list(self._streams)
-        self._publish([(rid, error) for rid in ids])
-        return len(ids)
+    def fail_streams(self, error: BaseException) -> None:
+        """End every open stream with `error` (each generator raises it and aborts its request); by itself this
+        leaves the engine serving new requests."""
+        self._publish([(rid, error) for rid in list(self._streams)])
 
     def abort(self, request_id: str) -> None:
         try:

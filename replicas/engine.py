@@ -478,7 +478,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         """A snapshot: the engine's counters with the current gauges (readers never see it move)."""
-        s = replace(self.stats, spec_accepted_by_position=list(self.stats.spec_accepted_by_position), bookkeeping={})
+        s = replace(self.stats, spec_accepted_by_position=list(self.stats.spec_accepted_by_position))
         s.preemptions = self.scheduler.num_preemptions      # recompute preemptions, elastic reclaims included
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
@@ -490,7 +490,7 @@ class LLMEngine:
         if self.elastic is not None:
             self.elastic.fill_stats(s)
         s.bookkeeping = {"engine_requests": len(self.requests),
-                         "scheduled_sequences": len(self.scheduler.running) + len(self.scheduler.waiting),
+                         "scheduled_sequences": s.num_running + s.num_waiting,
                          "stream_coalescer": self.coalescer.num_tracked,
                          "drafter_contexts": self.speculator.num_tracked if self.speculator is not None else 0}
         return s

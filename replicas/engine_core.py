@@ -2,8 +2,8 @@
 
 A serving process spends its CPU on HTTP, Ray messages and asyncio. Run in the same process, the step loop and
 that work share one GIL: every engine step delays the token stream, and every streamed token delays the next
-step (bench.serve_overhead measures what that costs). Here the loop owns its interpreter; the serving process (`replicas.async_engine.AsyncLLMEngine`) only sends requests
-and fans the step outputs out to its streams.
+step (bench.serve_overhead measures what that costs). Here the loop owns its interpreter; the serving process
+(`replicas.async_engine.AsyncLLMEngine`) only sends requests and fans the step outputs out to its streams.
 
 Messages (replicas/engine_messages.py), one class per kind, pickled over the pipes:
   client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
