@@ -172,7 +172,7 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
         for s in old_handlers:
             signal.signal(s, on_signal)
         if not joined:
-            watch_cluster(cluster_lost)
+            watch_cluster(cluster_lost, stop)
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
@@ -202,18 +202,24 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
         print(f"tidal serve: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
+        stop.set()     # however it ends: the cluster watch must not signal the shutdown below
         serving.set()  # a second signal during cleanup must not interrupt it
         _stop_within(args.drain_timeout_s, cluster_lost.is_set() or not (joined or cluster_alive()), state_dir)
         for s, h in old_handlers.items():
             signal.signal(s, h)
 
 
-def watch_cluster(lost: threading.Event) -> None:
+def watch_cluster(lost: threading.Event, stopping: threading.Event) -> None:
     """A thread that, once the local cluster's GCS or raylet has exited (`ray stop` under a running CLI), sets
-    `lost` and sends this process SIGTERM: the CLI then stops without calling into the dead cluster."""
+    `lost` and sends this process SIGTERM: the CLI then stops without calling into the dead cluster. Once the CLI
+    is `stopping` it shuts the cluster down itself, and the thread ends without a signal (one arriving after the
+    CLI restored its old handlers would kill it)."""
     def watch():
         while cluster_alive():
-            time.sleep(1.0)
+            if stopping.wait(1.0):
+                return
+        if stopping.is_set():
+            return
         lost.set()
         os.kill(os.getpid(), signal.SIGTERM)
 
