@@ -39,6 +39,7 @@ def controller_view(replica: dict) -> dict:
             "max_num_batched_tokens": s["max_num_batched_tokens"], "budget_limit": replica["budget_limit"],
             "elastic_mode": s["elastic_mode"], "elastic_available": replica["elastic_available"],
             "reserve_bytes": s["reserve_bytes"], "reserve_lent_bytes": s["reserve_lent_bytes"],
+            "reserve_granted_blocks": s.get("reserve_granted_blocks", 0),
             "kv_blocks_used": s["kv_blocks_used"], "kv_blocks_total": s["kv_blocks_total"],
             "decisions": ctl.get("log", [])[-LAST_DECISIONS:]}
 
@@ -49,6 +50,8 @@ def render(views: list[dict]) -> str:
         kv = v["kv_blocks_used"] / v["kv_blocks_total"] if v["kv_blocks_total"] else 0.0
         reserve = "none" if not v["reserve_bytes"] else \
             f"{v['reserve_lent_bytes'] / 2**20:.0f} of {v['reserve_bytes'] / 2**20:.0f} MiB lent"
+        if v["reserve_granted_blocks"]:
+            reserve += f", {v['reserve_granted_blocks']} blocks given to KV at this budget"
         policy = v["policy"] + (f" ({v['phase']} {v['arm']}, scores {v['scores']})" if v["arm"] else "")
         lines += [f"replica {v['replica_id']}: policy {policy}, {v['rounds']} rounds",
                   f"  max_num_batched_tokens {v['max_num_batched_tokens']} (limit {v['budget_limit']}), "

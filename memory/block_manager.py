@@ -2,7 +2,9 @@
 
 Block ids [0, num_base) are the base region, [num_base, num_base + num_reserve) the elastic
 reserve. A reserve block is handed out only while the reserve is lent (`reserve_lent`), which the
-elastic KV manager sets after mapping the memory and clears before unmapping it.
+elastic KV manager sets after mapping the memory and clears before unmapping it. The boundary moves at
+run time when a lower step budget needs less of the reserve: `grant` makes the reserve's first blocks
+base blocks for good, `begin_ungrant`/`end_ungrant` give the last granted ones back.
 
 Freed blocks keep their hash and tokens and sit in an LRU free list; they are evicted lazily when
 allocated for something else. A hash hit is verified against the stored tokens.
@@ -218,6 +220,12 @@ class BlockManager:
         return plan
 
     def apply_migration(self, plan: dict[int, int], seqs: Iterable[BlockOwner]) -> None:
+        self._move(plan, seqs)
+        for src in plan:
+            self.free_reserve[src] = None
+
+    def _move(self, plan: dict[int, int], seqs: Iterable[BlockOwner]) -> None:
+        """Point the sequences' tables and the prefix cache at each block's destination; sources end empty."""
         for seq in seqs:
             seq.block_table = [plan.get(b, b) for b in seq.block_table]
         for src, dst in plan.items():
@@ -226,12 +234,45 @@ class BlockManager:
             if s.hash is not None and self.hash_to_block.get(s.hash) == src:
                 self.hash_to_block[s.hash] = dst
             s.ref_count, s.hash, s.token_ids = 0, None, None
-            self.free_reserve[src] = None
 
     def begin_reclaim(self) -> None:
         """From now on the reserve hands out nothing; its live blocks must be migrated or freed."""
         assert self.reserve_lent
         self.reserve_draining = True
+
+    def grant(self, n: int) -> None:
+        """The reserve's first `n` blocks become base blocks (their memory is mapped for good). Only while the
+        reserve is not lent, so they hold nothing."""
+        assert not self.reserve_lent and 0 <= n <= self.num_reserve
+        for block_id in range(self.num_base, self.num_base + n):
+            del self.free_reserve[block_id]
+            self.free_base[block_id] = None
+        self.num_base += n
+        self.num_reserve -= n
+
+    def begin_ungrant(self, n: int) -> dict[int, int]:
+        """Start giving the base's last `n` blocks back to the reserve: they hand out nothing from now on, and
+        the returned plan maps each live one to a free block below them. The caller must have made room (every
+        live block of the region must find a free one below) and copies the KV on the device before `end_ungrant`."""
+        assert not self.reserve_lent and 0 <= n <= self.num_base
+        start = self.num_base - n
+        for block_id in range(start, self.num_base):
+            if self.blocks[block_id].ref_count == 0:
+                self.free_base.pop(block_id, None)
+                self._evict(self.blocks[block_id])
+        live = [b for b in range(start, self.num_base) if self.blocks[b].ref_count > 0]
+        assert len(live) <= len(self.free_base), "no room below the region to move its live blocks to"
+        return {src: self._take_free().block_id for src in live}
+
+    def end_ungrant(self, n: int, plan: dict[int, int], seqs: Iterable[BlockOwner]) -> None:
+        """Move the live blocks as planned and make the region the reserve's first `n` blocks (free, no hash)."""
+        self._move(plan, seqs)
+        start = self.num_base - n
+        self.num_base, self.num_reserve = start, self.num_reserve + n
+        self.free_reserve = OrderedDict([(b, None) for b in range(start, start + n)] + list(self.free_reserve.items()))
+
+    def live_blocks_in(self, start: int, stop: int) -> int:
+        return sum(1 for b in self.blocks[start:stop] if b.ref_count > 0)
 
     def reclaim_reserve(self) -> int:
         """Returns how many prefix-cache entries were evicted from the reserve."""

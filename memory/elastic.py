@@ -9,6 +9,10 @@ engine builds both when its config asks for elastic KV (`EngineConfig.elastic`).
 
 Modes: "off" (reserve never lent), "elastic", "static" (reserve committed at start for good: the unsafe
 baseline that runs out of memory on a burst of large prefills).
+
+Apart from the mode, `fit_reserve` shrinks the reserve for good while the step budget is below the one it was
+sized for (the controller's chunk knob): the blocks a smaller step's activations no longer need become base KV,
+and come back (live K/V moved below them) when the budget rises again.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import numpy as np
 
 from memory.block_manager import BlockManager
 from memory.kv_host import ScheduleView
-from memory.rank_kv import LEND, MODES, RECLAIM, KVAction
+from memory.rank_kv import GRANT, LEND, MODES, RECLAIM, UNGRANT, KVAction
 
 LATENCY_SAMPLES = 1024
 
@@ -80,7 +84,9 @@ class ElasticKV:
                              f"max_model_len={max_model_len} tokens")
         self.bm, self.scheduler, self.dispatch = block_manager, scheduler, dispatch
         self.policy, self.gate = policy, LendGate(policy)
-        self.reserve_bytes = reserve_bytes
+        self.block_bytes = reserve_bytes / max(1, block_manager.num_reserve)   # one reserve block, all layers
+        self.grants: list[int] = []         # blocks of each grant, bottom first (as every rank's RankKV holds them)
+        self.grant_refused = 0
         self.mode = "off"
         self.lend_total = self.reclaim_total = self.lend_refused = 0
         self.blocks_migrated = self.preemptions = self.cache_evictions = 0
@@ -145,6 +151,43 @@ class ElasticKV:
         self.reclaim_total += 1
         self.reclaim_latencies.append(time.perf_counter() - t0)
 
+    def fit_reserve(self, target: int) -> None:
+        """Make `target` of the reserve's blocks base KV for good: a grant on top of the stack, or whole grants
+        given back from its top (then a smaller one granted). A lent reserve is reclaimed first."""
+        if self.mode == "static" or target == sum(self.grants):
+            return
+        if self.bm.reserve_lent:
+            self.reclaim()
+        while self.grants and sum(self.grants) > target:
+            self._ungrant()
+        more = target - sum(self.grants)
+        if more <= 0:
+            return
+        if not self.dispatch(KVAction(GRANT, blocks=more)):
+            self.grant_refused += 1
+            return
+        self.bm.grant(more)
+        self.grants.append(more)
+
+    def _ungrant(self) -> None:
+        """Give the last grant back to the reserve: preempt the newest sequences holding its blocks until the
+        live ones fit in the free blocks below it, move them there, and have every rank copy and unmap."""
+        bm, n = self.bm, self.grants[-1]
+        start = bm.num_base - n
+        for seq in reversed(list(self.scheduler.running)):
+            live = bm.live_blocks_in(start, bm.num_base)
+            if live <= len(bm.free_base) - (n - live):
+                break
+            if any(b >= start for b in seq.block_table):
+                self.scheduler.preempt(seq)
+                self.preemptions += 1
+        plan = bm.begin_ungrant(n)
+        bm.end_ungrant(n, plan, self.scheduler.running)
+        self.dispatch(KVAction(UNGRANT, np.fromiter(plan.keys(), np.int64, len(plan)),
+                               np.fromiter(plan.values(), np.int64, len(plan))))
+        self.grants.pop()
+        self.blocks_migrated += len(plan)
+
     def _large_step_possible(self, decodes: int) -> bool:
         """Whether the next step could exceed `lend_step_tokens` with the reserve lent. Only the head of the
         queue can be admitted (the scheduler stops at the first prompt that does not fit), so when even all
@@ -176,9 +219,10 @@ class ElasticKV:
     def fill_stats(self, stats) -> None:
         """Counters and gauges into EngineStats, with the newest latency samples (reading consumes nothing)."""
         stats.elastic_mode = self.mode
-        stats.reserve_bytes = self.reserve_bytes
-        stats.reserve_lent_bytes = self.reserve_bytes if self.bm.reserve_lent else 0
+        stats.reserve_bytes = int(self.block_bytes * self.bm.num_reserve)
+        stats.reserve_lent_bytes = stats.reserve_bytes if self.bm.reserve_lent else 0
         stats.reserve_blocks_total = self.bm.num_reserve
+        stats.reserve_granted_blocks = sum(self.grants)
         stats.reserve_blocks_used = len(self.bm.reserve_blocks_in_use())
         stats.lend_total, stats.reclaim_total, stats.lend_refused = \
             self.lend_total, self.reclaim_total, self.lend_refused

@@ -1,8 +1,13 @@
 """One rank's KV memory for elastic KV: a `VmmKVPool` on CUDA (fixed virtual ranges, the reserve handle
 mapped only while lent) or a `LogicalReserve` elsewhere, and the `KVAction`s rank 0 sends it.
-Every rank applies each action (with TP: `runner.call_all("apply_kv_action", action)`)."""
+Every rank applies each action (with TP: `runner.call_all("apply_kv_action", action)`).
+
+Besides lending, the reserve shrinks for good while the step budget is below the one it was sized for: a
+GRANT maps the reserve's first blocks as base KV, an UNGRANT moves live K/V out of the last grant and unmaps
+it (grants are a stack; each is released whole)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -14,14 +19,15 @@ from memory.kv_layout import layer_views, layers_per_range
 from memory.reserve import ReserveSizing, default_lend_step_tokens, plan_kv_blocks, profile_reserve
 
 MODES = ("off", "elastic", "static")
-LEND, RECLAIM = "lend", "reclaim"
+LEND, RECLAIM, GRANT, UNGRANT = "lend", "reclaim", "grant", "ungrant"
 
 
 @dataclass(frozen=True)
 class KVAction:
-    kind: str                                   # "lend" | "reclaim"
-    src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # reclaim: reserve blocks ...
+    kind: str                                   # LEND | RECLAIM | GRANT | UNGRANT
+    src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # reclaim/ungrant: blocks ...
     dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # ... copied to these base blocks
+    blocks: int = 0                             # grant: how many of the reserve's first blocks
 
 
 class LogicalReserve:
@@ -32,13 +38,30 @@ class LogicalReserve:
     def __init__(self, storages: list[torch.Tensor], num_base: int, num_reserve: int):
         self.storages, self.num_base, self.num_reserve = storages, num_base, num_reserve
         self.caches = layer_views(storages)
-        self.reserve_bytes = sum(s[num_base:].numel() * s.element_size() for s in storages)
         self.mapped = False
+        self.grants: list[int] = []              # blocks of each grant, bottom first
         self._gen = torch.Generator(storages[0].device).manual_seed(1234)
 
-    def _scribble(self) -> None:
+    @property
+    def reserve_bytes(self) -> int:
+        return sum(s[self.num_base:].numel() * s.element_size() for s in self.storages)
+
+    def _scribble(self, start: Optional[int] = None, stop: Optional[int] = None) -> None:
         for s in self.storages:
-            s[self.num_base:].normal_(0.0, 8.0, generator=self._gen)
+            s[self.num_base if start is None else start:stop].normal_(0.0, 8.0, generator=self._gen)
+
+    def map_grant(self, blocks: int) -> None:
+        assert not self.mapped and 0 < blocks <= self.num_reserve
+        self._scribble(self.num_base, self.num_base + blocks)
+        self.grants.append(blocks)
+        self.num_base, self.num_reserve = self.num_base + blocks, self.num_reserve - blocks
+
+    def unmap_grant(self) -> int:
+        assert not self.mapped and self.grants
+        blocks = self.grants.pop()
+        self.num_base, self.num_reserve = self.num_base - blocks, self.num_reserve + blocks
+        self._scribble(self.num_base, self.num_base + blocks)
+        return blocks
 
     def map_reserve(self) -> None:
         assert not self.mapped
@@ -73,6 +96,8 @@ class RankKV:
         self.num_base, self.num_reserve = num_base, num_reserve
         self.lend_step_tokens, self.kept_free_bytes = lend_step_tokens, kept_free_bytes
         self.world_size, self.sizing = world_size, sizing
+        self.reserve_blocks_built = num_reserve      # before any grant
+        self.grants: list[int] = []                  # blocks of each grant mapped, bottom first
         self.before_unmap: list[Callable[[], None]] = []   # e.g. clear stale block ids in graph buffers
 
     @property
@@ -88,13 +113,82 @@ class RankKV:
         """Reserve blocks per base block: what lending adds to this rank's KV pool."""
         return self.num_reserve / self.num_base
 
+    @property
+    def grant_step_blocks(self) -> int:
+        """Grants come in multiples of this many blocks (whole granules of every range on CUDA)."""
+        layout = getattr(self.memory, "layout", None)
+        if layout is None:
+            return 1
+        return layout.granularity // math.gcd(layout.granularity, layout.block_bytes)
+
+    def grant_target(self, budget: int, sized_budget: int) -> int:
+        """Reserve blocks that a step budget of `budget` tokens leaves unused (the reserve was sized for
+        `sized_budget`), in whole grant steps. A step's activation peak grows linearly with its tokens between
+        the two measured points, the largest step that runs lent (`kept`) and the full budget (`headroom`);
+        without a measurement (CPU) the logical reserve scales the same way."""
+        lend = self.lend_step_tokens
+        if budget >= sized_budget:
+            return 0
+        share = min(1.0, (sized_budget - budget) / max(1, sized_budget - lend))
+        if self.sizing is not None:
+            s = self.sizing
+            free = share * (s.headroom_bytes - s.kept_bytes)
+            blocks = int(min(free, s.lendable_bytes) // s.kv_block_bytes)
+        else:
+            blocks = int(share * self.reserve_blocks_built)
+        step = self.grant_step_blocks
+        return min(blocks, self.reserve_blocks_built) // step * step
+
     def apply(self, action: KVAction) -> bool:
         if action.kind == LEND:
             return self._lend()
         if action.kind == RECLAIM:
             self._reclaim(action.src, action.dst)
             return True
+        if action.kind == GRANT:
+            return self._grant(action.blocks)
+        if action.kind == UNGRANT:
+            self._ungrant(action.src, action.dst)
+            return True
         raise ValueError(f"unknown KV action {action.kind!r}")
+
+    def _grant(self, blocks: int) -> bool:
+        held = len(self.memory.grants)
+        ok = True
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()          # the memory comes from what the allocator holds free
+                self.memory.map_grant(blocks * self.memory.layout.block_bytes)
+            else:
+                self.memory.map_grant(blocks)
+        except RuntimeError:                     # VmmError (out of memory, driver refusal): not granted
+            ok = False
+        if self.world_size > 1:
+            ok = _all_ranks_ok(ok)               # a rank that failed to map fails the grant everywhere
+            if not ok and len(self.memory.grants) > held:
+                self.memory.unmap_grant()
+        if ok:
+            self.grants.append(blocks)
+            self.num_base, self.num_reserve = self.num_base + blocks, self.num_reserve - blocks
+        return ok
+
+    def _ungrant(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self._copy_blocks(src, dst)
+        for hook in self.before_unmap:
+            hook()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every stream: cuMemUnmap does not wait for kernels
+        self.memory.unmap_grant()
+        blocks = self.grants.pop()
+        self.num_base, self.num_reserve = self.num_base - blocks, self.num_reserve + blocks
+
+    def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if len(src):
+            s = torch.as_tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+            d = torch.as_tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
+            for storage in self.memory.storages:        # every layer of a range in one copy
+                storage.index_copy_(0, d, storage.index_select(0, s))
 
     def _lend(self) -> bool:
         ok = True
@@ -116,11 +210,7 @@ class RankKV:
         return ok
 
     def _reclaim(self, src: np.ndarray, dst: np.ndarray) -> None:
-        if len(src):
-            s = torch.as_tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
-            d = torch.as_tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
-            for storage in self.memory.storages:        # every layer of a range in one copy
-                storage.index_copy_(0, d, storage.index_select(0, s))
+        self._copy_blocks(src, dst)
         for hook in self.before_unmap:
             hook()
         if self.device.type == "cuda":

@@ -5,6 +5,9 @@ reserve] is reserved once. The base handle is mapped at its start for the pool's
 handle is mapped right after it only while the reserve is lent. The torch tensor over each range is made
 once, so kernels and CUDA graphs always see the same address.
 
+When a lower step budget needs less of the reserve, its first granules are mapped for good as "grants" (a stack
+of mappings, each released whole: `map_grant` / `unmap_grant`), and the lendable reserve is what follows them.
+
 Costs that matter (bench/elastic.py times them): per-call overhead dominates with small handles, so each
 range's reserve is ONE handle; the driver calls are grouped by kind with everything prebuilt.
 By default a handle is released right after it is mapped: the mapping keeps the memory alive and
@@ -141,8 +144,8 @@ class VmmKVPool:
         self._prop = _device_prop(index)
         self._access = [access_desc(index)]
         self._ranges: list[int] = []
-        self._reserve_ptrs: list = []
         self._reserve_handles: list = []
+        self.grants: list[int] = []               # bytes per range of each grant mapping, bottom first
         self.mapped = False
         self.timings: dict[str, float] = {}       # seconds per phase of the last map/unmap
         try:
@@ -151,7 +154,6 @@ class VmmKVPool:
                                   "cuMemAddressReserve"))
                 self._ranges.append(base)
                 self._map_base(base, layout.base_bytes)
-                self._reserve_ptrs.append(cu.CUdeviceptr(base + layout.base_bytes))
         except BaseException:
             self.close()
             raise
@@ -164,9 +166,51 @@ class VmmKVPool:
         self.caches = layer_views(self.storages)
 
     @property
+    def granted_bytes(self) -> int:
+        """Per range: the reserve's bytes mapped for good at its start."""
+        return sum(self.grants)
+
+    @property
+    def reserve_span_bytes(self) -> int:
+        """Per range: the lendable reserve, after the grants."""
+        return self.layout.reserve_handle_bytes - self.granted_bytes
+
+    @property
+    def _reserve_ptrs(self) -> list:
+        offset = self.layout.base_bytes + self.granted_bytes
+        return [cu.CUdeviceptr(base + offset) for base in self._ranges]
+
+    @property
     def reserve_bytes(self) -> int:
-        """Physical bytes of the reserve over all layers."""
-        return self.layout.reserve_handle_bytes * len(self._ranges)
+        """Physical bytes of the lendable reserve over all layers."""
+        return self.reserve_span_bytes * len(self._ranges)
+
+    def map_grant(self, nbytes: int) -> None:
+        """Map `nbytes` (whole granules) of every range's reserve for good, right after the grants so far.
+        Only while the reserve is unmapped."""
+        assert not self.mapped and nbytes % self.layout.granularity == 0 and 0 < nbytes <= self.reserve_span_bytes
+        self._make_current()
+        done = []
+        try:
+            for base in self._ranges:
+                ptr = base + self.layout.base_bytes + self.granted_bytes
+                self._map_base(ptr, nbytes)
+                done.append(ptr)
+        except BaseException:
+            for ptr in done:
+                cu.cuMemUnmap(ptr, nbytes)
+            raise
+        self.grants.append(nbytes)
+
+    def unmap_grant(self) -> int:
+        """Unmap (and free) the last grant of every range; returns its bytes per range. The caller must have
+        synchronized the device and moved any live KV out of it."""
+        assert not self.mapped and self.grants
+        self._make_current()
+        nbytes = self.grants.pop()
+        for base in self._ranges:
+            _check(cu.cuMemUnmap(base + self.layout.base_bytes + self.granted_bytes, nbytes), "cuMemUnmap (grant)")
+        return nbytes
 
     def _make_current(self) -> None:
         # Driver calls act on the calling thread's current context; the engine loop may run on any thread.
@@ -190,29 +234,29 @@ class VmmKVPool:
     def map_reserve(self) -> None:
         """Create and map every range's reserve handle. On failure everything mapped so far is undone."""
         assert not self.mapped
-        if self.layout.reserve_handle_bytes == 0:
+        if self.reserve_span_bytes == 0:
             self.mapped = True
             return
         self._make_current()
-        size, prop, access = self.layout.reserve_handle_bytes, self._prop, self._access
+        size, prop, access, ptrs = self.reserve_span_bytes, self._prop, self._access, self._reserve_ptrs
         create, map_, set_access, release = cu.cuMemCreate, cu.cuMemMap, cu.cuMemSetAccess, cu.cuMemRelease
         ok = cu.CUresult.CUDA_SUCCESS
         handles, mapped = [], []
         t0 = time.perf_counter()
         try:
-            for _ in self._reserve_ptrs:
+            for _ in ptrs:
                 err, h = create(size, prop, 0)
                 if err != ok:
                     _check((err,), "cuMemCreate (reserve)")
                 handles.append(h)
             t1 = time.perf_counter()
-            for ptr, h in zip(self._reserve_ptrs, handles):
+            for ptr, h in zip(ptrs, handles):
                 err, = map_(ptr, size, 0, h, 0)
                 if err != ok:
                     _check((err,), "cuMemMap (reserve)")
                 mapped.append(ptr)
             t2 = time.perf_counter()
-            for ptr in self._reserve_ptrs:
+            for ptr in ptrs:
                 err, = set_access(ptr, size, access, 1)
                 if err != ok:
                     _check((err,), "cuMemSetAccess (reserve)")
@@ -237,11 +281,11 @@ class VmmKVPool:
         """Unmap (and so free) every range's reserve. The caller must have synchronized the device:
         cuMemUnmap does not wait for kernels in flight."""
         assert self.mapped
-        if self.layout.reserve_handle_bytes == 0:
+        if self.reserve_span_bytes == 0:
             self.mapped = False
             return
         self._make_current()
-        size, unmap, release, ok = self.layout.reserve_handle_bytes, cu.cuMemUnmap, cu.cuMemRelease, \
+        size, unmap, release, ok = self.reserve_span_bytes, cu.cuMemUnmap, cu.cuMemRelease, \
             cu.CUresult.CUDA_SUCCESS
         t0 = time.perf_counter()
         for ptr in self._reserve_ptrs:
@@ -264,17 +308,21 @@ class VmmKVPool:
         if getattr(self, "caches", None) is not None:
             torch.cuda.synchronize(self.device)
         self.caches, self.storages = [], []
-        if self.mapped and self.layout.reserve_handle_bytes:
+        if self.mapped and self.reserve_span_bytes:
             for ptr in self._reserve_ptrs:
-                cu.cuMemUnmap(ptr, self.layout.reserve_handle_bytes)
+                cu.cuMemUnmap(ptr, self.reserve_span_bytes)
             for h in self._reserve_handles:
                 cu.cuMemRelease(h)
         self.mapped = False
         self._reserve_handles = []
         for base in self._ranges:
+            offset = self.layout.base_bytes
+            for nbytes in self.grants:
+                cu.cuMemUnmap(base + offset, nbytes)
+                offset += nbytes
             cu.cuMemUnmap(base, self.layout.base_bytes)
             cu.cuMemAddressFree(base, self.layout.range_bytes)
         self._ranges = []
-        self._reserve_ptrs = []
+        self.grants = []
         cu.cuDevicePrimaryCtxRelease(self._dev)
         del self._ctx

@@ -92,12 +92,15 @@ METRICS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("reserve_bytes", G, "Bytes of the prefill-activation reserve."),
     MetricSpec("reserve_lent_bytes", G, "Reserve bytes lent to the KV pool now."),
     MetricSpec("reserve_utilization", G, "Fraction of reserve KV blocks holding live KV (0 to 1)."),
+    MetricSpec("reserve_granted_blocks", G, "Reserve blocks given to the KV pool for good while the step budget "
+               "is below the one the reserve was sized for."),
     MetricSpec("elastic_lend", C, "Times the reserve was lent to the KV pool."),
     MetricSpec("elastic_reclaim", C, "Times the reserve was reclaimed for a prefill."),
     MetricSpec("elastic_lend_seconds", H, "Duration of one lend (map).", buckets=ELASTIC_LATENCY_BUCKETS),
     MetricSpec("elastic_reclaim_seconds", H, "Duration of one reclaim (migrate + unmap).",
                buckets=ELASTIC_LATENCY_BUCKETS),
-    MetricSpec("blocks_migrated", C, "KV blocks moved out of the reserve before a reclaim."),
+    MetricSpec("blocks_migrated", C, "KV blocks moved out of the reserve before a reclaim, or out of a grant "
+               "given back to the reserve."),
     MetricSpec("elastic_preemptions", C, "Sequences preempted because a reclaim found no free base block."),
     # speculative decoding (vLLM names)
     MetricSpec("spec_decode_num_drafts", C, "Draft rounds verified."),
@@ -186,6 +189,7 @@ class StatsRecorder:
             "max_num_batched_tokens": stats.max_num_batched_tokens,
             "reserve_bytes": stats.reserve_bytes,
             "reserve_lent_bytes": stats.reserve_lent_bytes,
+            "reserve_granted_blocks": stats.reserve_granted_blocks,
             "reserve_utilization": (stats.reserve_blocks_used / stats.reserve_blocks_total
                                     if stats.reserve_blocks_total else 0.0),
         }

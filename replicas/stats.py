@@ -45,6 +45,7 @@ class EngineStats:
     reserve_lent_bytes: int = 0
     reserve_blocks_total: int = 0
     reserve_blocks_used: int = 0
+    reserve_granted_blocks: int = 0        # reserve blocks made base KV for good while the step budget is lower
     lend_total: int = 0
     reclaim_total: int = 0
     blocks_migrated: int = 0

@@ -25,7 +25,7 @@ EXPECTED_FAMILIES = {
     "tidal:num_steps_total", "tidal:request_success_total", "tidal:time_to_first_token_seconds",
     "tidal:inter_token_latency_seconds", "tidal:e2e_request_latency_seconds", "tidal:request_queue_time_seconds",
     "tidal:max_num_batched_tokens", "tidal:elastic_mode", "tidal:reserve_bytes", "tidal:reserve_lent_bytes",
-    "tidal:reserve_utilization", "tidal:elastic_lend_total", "tidal:elastic_reclaim_total",
+    "tidal:reserve_utilization", "tidal:reserve_granted_blocks", "tidal:elastic_lend_total", "tidal:elastic_reclaim_total",
     "tidal:elastic_lend_seconds", "tidal:elastic_reclaim_seconds", "tidal:blocks_migrated_total",
     "tidal:elastic_preemptions_total", "tidal:spec_decode_num_drafts_total",
     "tidal:spec_decode_num_draft_tokens_total", "tidal:spec_decode_num_accepted_tokens_total",

@@ -49,9 +49,6 @@ def tiny(tmp_path_factory):
 def test_ten_thousand_cycles_under_live_load(tiny):
     """Base 256 blocks + one 2 MiB reserve handle per layer (128 blocks of 16 KiB): the running set spills
     into the reserve, so reclaims migrate and preempt; every step with a prompt reclaims first."""
-    transformers = pytest.importorskip("transformers")
-    from tests.support.greedy import compare_greedy
-
     cfg = EngineConfig.from_flat(model=tiny, dtype="float32", block_size=16, num_kv_blocks=256 + 128,
                                  reserve_blocks=128, max_num_seqs=32, max_model_len=512, max_num_batched_tokens=1024,
                                  enable_prefix_caching=True, elastic="elastic", elastic_lend_step_tokens=40,
@@ -78,7 +75,15 @@ def test_ten_thousand_cycles_under_live_load(tiny):
     torch.cuda.synchronize()
     assert [c.data_ptr() for c in engine.runner.kv_caches] == addresses
     assert elastic.blocks_migrated > 0 and elastic.preemptions > 0 and engine.block_manager.hits > 0
-    ref = LLMEngine(cfg.with_(num_kv_blocks=8192, max_num_seqs=256))
+    assert_same_as_plain(cfg, tiny, requests, done)
+
+
+def assert_same_as_plain(cfg, tiny, requests: dict, done: dict) -> None:
+    """Greedy tokens equal a plain engine's with room for everything (near-ties aside)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.support.greedy import compare_greedy
+
+    ref = LLMEngine(cfg.with_(num_kv_blocks=8192, max_num_seqs=256, elastic="off", reserve_blocks=0))
     want = {}
     for rid, (prompt, params) in requests.items():
         ref.add_request(rid, prompt, params)
@@ -93,6 +98,41 @@ def test_ten_thousand_cycles_under_live_load(tiny):
     flips = compare_greedy([requests[r][0] for r in ids], [done[r] for r in ids], [want[r] for r in ids],
                            last_logits)
     assert len(flips) <= len(ids) // 200, flips
+
+
+def test_budget_changes_grant_and_take_back_the_reserve_under_live_load(tiny):
+    """The chunk knob at run time on VMM: at a 32-token budget the whole reserve handle (one granule per range)
+    is mapped for good as KV, at 1024 it is given back with its live K/V moved below it or the newest sequences
+    preempted; through CUDA graphs, with greedy outputs equal to a plain engine's."""
+    cfg = EngineConfig.from_flat(model=tiny, dtype="float32", block_size=16, num_kv_blocks=256 + 128,
+                                 reserve_blocks=128, max_num_seqs=32, max_model_len=512, max_num_batched_tokens=1024,
+                                 enable_prefix_caching=True, elastic="elastic", elastic_lend_step_tokens=40,
+                                 elastic_lend_after_steps=1, elastic_min_lend_steps=0)
+    engine = LLMEngine(cfg)
+    kv, bm = engine.runner.kv, engine.block_manager
+    assert engine.runner.graphs is not None
+    addresses = [c.data_ptr() for c in engine.runner.kv_caches]
+    rng = random.Random(1)
+    vocab = engine.model_config.vocab_size
+    requests, done, grants = {}, {}, 0
+    for step in range(1600):
+        if step % 40 == 0:
+            engine.reconfigure(max_num_batched_tokens=32 if step % 80 == 0 else 1024)
+            grants += bm.num_base == 256 + 128 and bm.num_reserve == 0
+            assert bm.num_base == kv.num_base and sum(kv.grants) == sum(engine.elastic.grants)
+        if step % 3 == 0 and step < 1400:
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(8, 150))]
+            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 100), ignore_eos=True)
+            requests[f"r{step}"] = (prompt, params)
+            engine.add_request(f"r{step}", prompt, params)
+        collect(engine, done)
+    while engine.has_unfinished:
+        collect(engine, done)
+    torch.cuda.synchronize()
+    assert [c.data_ptr() for c in engine.runner.kv_caches] == addresses
+    assert grants == 20, "a 32-token budget did not make the whole reserve base KV"
+    assert engine.elastic.blocks_migrated > 0
+    assert_same_as_plain(cfg, tiny, requests, done)
 
 
 def run_burst(mode: str) -> subprocess.CompletedProcess:

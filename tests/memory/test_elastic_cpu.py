@@ -238,3 +238,65 @@ def test_reclaim_action_copies_blocks_on_every_layer(tiny):
     for c in rank.caches:
         assert (c[1] == 3.0).all() and (c[2] == 5.0).all()
         assert not (c[9] == 3.0).all()                                    # scribbled: unmapped memory is garbage
+
+
+def test_a_lower_budget_gives_reserve_blocks_to_the_kv_pool_and_a_higher_one_takes_them_back(tiny):
+    """The chunk knob at run time: lowering max_num_batched_tokens grants the reserve blocks its smaller steps do
+    not need (usable KV grows), raising it gives them back with their live K/V moved below (or the newest
+    sequences preempted); the greedy tokens match a plain engine's, which a missed copy would change."""
+    folder, vocab, _ = tiny
+    rng = random.Random(2)
+    requests = [(f"r{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(20, 90))],
+                 SamplingParams(temperature=0.0, max_tokens=rng.randint(30, 70), ignore_eos=True))
+                for i in range(24)]
+    engine = elastic_engine(folder, base=24, reserve=16, lend_step_tokens=12)
+    guard = Guard(engine)
+    bm, kv = engine.block_manager, engine.runner.kv
+    usable = bm.num_usable_blocks
+    budgets = {0: 64, 40: 256, 70: 16, 110: 64, 150: 256, 190: 32}
+    got, granted, grown, step = {}, [], [], 0
+    while step < 200 or engine.has_unfinished:
+        if step in budgets:
+            engine.reconfigure(max_num_batched_tokens=budgets[step])
+            granted.append(engine.get_stats().reserve_granted_blocks)
+            assert kv.num_base == bm.num_base == kv.memory.num_base and sum(kv.grants) == granted[-1]
+        if step % 6 == 0 and step // 6 < len(requests):
+            engine.add_request(*requests[step // 6])
+        grown.append(engine.get_stats().kv_blocks_total - usable)
+        got.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        step += 1
+        assert step < 5000
+    assert granted == [kv.grant_target(b, 256) for b in budgets.values()]
+    assert granted[0] > 0 and granted[1] == 0 and granted[2] > granted[0]
+    assert max(grown) >= granted[2], "the granted blocks never showed as usable KV"
+    stats = engine.get_stats()
+    assert stats.blocks_migrated > 0 and stats.lend_total > 0
+    engine.reconfigure(max_num_batched_tokens=256)
+    assert bm.num_base == 24 and bm.num_reserve == 16 and not kv.grants
+    assert guard.steps > 0
+    check_same(tiny, requests, got, reference(folder, requests))
+
+
+def test_ungrant_moves_live_blocks_below_the_region():
+    bm = BlockManager(8, 8, BS, enable_prefix_caching=True)
+    bm.grant(4)
+    assert bm.num_base == 12 and bm.num_reserve == 4 and bm.num_free_blocks == 12
+
+    class Seq:
+        def __init__(self, n):
+            self.block_table, self.num_computed_tokens, self.token_ids = [], 0, list(range(n))
+
+        @property
+        def num_tokens(self):
+            return len(self.token_ids)
+
+    a, b = Seq(6 * BS), Seq(4 * BS)
+    bm.allocate(a, 6 * BS)
+    bm.allocate(b, 4 * BS)
+    assert b.block_table == [6, 7, 8, 9]
+    bm.free(a)
+    plan = bm.begin_ungrant(4)
+    assert sorted(plan) == [8, 9] and all(d < 8 for d in plan.values())
+    bm.end_ungrant(4, plan, [b])
+    assert bm.num_base == 8 and bm.num_reserve == 8 and all(x < 8 for x in b.block_table)
+    assert list(bm.free_reserve)[:4] == [8, 9, 10, 11] and bm.num_free_blocks == 4
