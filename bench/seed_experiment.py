@@ -1,0 +1,319 @@
+"""The seed's controlled experiment (GPU): does lending the prefill reserve pay, or does the step budget?
+
+    python -m bench.seed_experiment [--shape llama3-8b] [--duration-s 30] [--policies static32768,...]
+                                    [--out bench/results/seed_experiment.json]
+
+One engine of the shape (random bf16 weights, `load_format="dummy"`, elastic KV built at the high budget) serves
+one arrival trace per policy: a steady decode load (open-loop Poisson arrivals of medium prompts with long outputs)
+and long prompts (8k to 32k tokens) injected at a fixed rate; ignore_eos, seed 0. Policies, each from the same
+start (high budget, lending off, nothing granted):
+
+- `static<B>`: the budget fixed at B, lending off (a budget below the sized one gives the reserve blocks its steps
+  no longer need to the KV pool, as the chunk knob does at run time);
+- `elastic`, `chunk`, `auto`: the fleet controller's policy (cluster/controller_policies.py) deciding every
+  `--interval-s` from the engine's own stats and finished requests, applied through `LLMEngine.reconfigure`,
+  as a replica applies them.
+
+Per policy: TTFT (all requests, and the long prompts alone) and decode inter-token gaps (every gap of every
+decode-load request, pooled) as median and p99; goodput = requests that met both SLOs (TTFT, and mean
+inter-token latency as the controller judges it) per second of the trace; decode_tok_s = output tokens per
+second of wall time until the last request finished. KV: the blocks lending adds (the reserve) against the blocks
+the low budget grants. Requests still running `--drain-s` after the trace ends are cut and count as missed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bench.shapes import SHAPES, write_shape
+from cluster.controller import Controller
+from cluster.controller_policies import ControllerConfig, ReplicaView
+from cluster.recent_requests import RecentRequests
+from replicas import SamplingParams
+from replicas.config import EngineConfig
+from replicas.device import resolve_device
+from replicas.engine import LLMEngine
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float
+    request_id: str
+    kind: str               # "decode" | "long"
+    prompt_tokens: int
+    max_tokens: int
+
+
+def make_trace(args) -> list[Arrival]:
+    """Poisson decode arrivals and long prompts every `long_every_s`, over `duration_s` (seeded)."""
+    rng = random.Random(args.seed)
+    out, t, n = [], 0.0, 0
+    lo, hi = args.decode_prompt_tokens
+    olo, ohi = args.decode_output_tokens
+    while True:
+        t += rng.expovariate(args.decode_rate)
+        if t >= args.duration_s:
+            break
+        out.append(Arrival(t, f"d{n}", "decode", rng.randint(lo, hi), rng.randint(olo, ohi)))
+        n += 1
+    llo, lhi = args.long_tokens
+    t = args.long_every_s / 2
+    while t < args.duration_s:
+        out.append(Arrival(t, f"l{n}", "long", rng.randint(llo, lhi), args.long_output_tokens))
+        n += 1
+        t += args.long_every_s
+    return sorted(out, key=lambda a: a.at_s)
+
+
+class EngineFleet:
+    """One in-process engine as the controller's fleet (what a replica's describe/apply do, without Ray)."""
+
+    def __init__(self, engine: LLMEngine, budget_limit: int):
+        self.engine, self.budget_limit = engine, budget_limit
+        self.recent = RecentRequests()
+        self.state: dict = {}
+
+    def views(self) -> list[ReplicaView]:
+        return [ReplicaView("seed", self.engine.get_stats(), self.budget_limit, self.engine.elastic is not None,
+                            self.recent.since(time.time() - 120), self.state)]
+
+    def apply(self, payload: dict[str, dict]) -> list:
+        mine = payload["seed"]
+        self.state = mine["state"]
+        for knob, value, _ in mine["decisions"]:
+            self.engine.reconfigure(**{knob: value})
+        return mine["decisions"]
+
+
+def quantiles_ms(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "p99": None, "n": 0}
+    a = np.asarray(values) * 1e3
+    return {"median": round(float(np.median(a)), 2), "p99": round(float(np.percentile(a, 99)), 2), "n": len(a)}
+
+
+def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab: int) -> dict:
+    high, low = args.budgets
+    static_budget = int(policy[len("static"):]) if policy.startswith("static") else high
+    engine.reconfigure(max_num_batched_tokens=high, elastic="off")
+    engine.reconfigure(max_num_batched_tokens=static_budget)
+    engine.finished_timings.clear()
+    fleet = EngineFleet(engine, high)
+    controller = None
+    if not policy.startswith("static"):
+        controller = Controller(fleet, ControllerConfig(
+            policy=policy, interval_s=args.interval_s, ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms,
+            min_budget=low, min_requests=4, window_s=4 * args.interval_s * args.trial_rounds, cooldown_rounds=1,
+            trial_rounds=args.trial_rounds, exploit_rounds=1 << 20))
+    rng = np.random.default_rng(args.seed)
+    prompts = {a.request_id: rng.integers(3, vocab - 1, a.prompt_tokens).tolist() for a in trace}
+    kinds = {a.request_id: a.kind for a in trace}
+    before = engine.get_stats()
+    timings, decisions, budgets, kv_usage = [], [], [], []
+    start = time.monotonic()
+    next_tick, i = start + args.interval_s, 0
+    while True:
+        now = time.monotonic()
+        while i < len(trace) and start + trace[i].at_s <= now:
+            a = trace[i]
+            engine.add_request(a.request_id, prompts[a.request_id],
+                               SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
+                                              detokenize=False), arrival_time=start + a.at_s, stream=False)
+            i += 1
+        if controller is not None and now >= next_tick:
+            decided = controller.step(time.time())
+            decisions += [(round(now - start, 2), d.knob, d.value, d.reason) for ds in decided.values() for d in ds]
+            next_tick = now + args.interval_s
+        if now - start > args.duration_s + args.drain_s:
+            break
+        if engine.has_unfinished:
+            engine.step()
+            s = engine.get_stats()
+            budgets.append(s.max_num_batched_tokens)
+            kv_usage.append(s.kv_cache_usage)
+        elif i < len(trace):
+            time.sleep(min(0.01, max(0.0, start + trace[i].at_s - time.monotonic())))
+        else:
+            break
+        done = engine.drain_finished_timings()
+        fleet.recent.add(done)
+        timings += done
+    cut = list(engine.requests)
+    for rid in cut:
+        engine.abort(rid)
+    while engine.has_unfinished:
+        engine.step()
+    engine.drain_finished_timings()
+    wall = time.monotonic() - start
+    after = engine.get_stats()
+    timings = [t for t in timings if t.finish_reason != "abort"]
+    ttft = [t.first_token_time - t.arrival_time for t in timings]
+    ttft_long = [t.first_token_time - t.arrival_time for t in timings if kinds[t.request_id] == "long"]
+    gaps = [g for t in timings if kinds[t.request_id] == "decode" for g in t.inter_token_latencies]
+    met = sum(1 for t in timings
+              if (t.first_token_time - t.arrival_time) * 1e3 <= args.ttft_slo_ms
+              and (t.finish_time - t.first_token_time) / max(1, t.num_generation_tokens - 1) * 1e3 <= args.itl_slo_ms)
+    out_tokens = sum(t.num_generation_tokens for t in timings)
+    last = max((t.finish_time for t in timings), default=start + 1e-9) - start
+    return {"policy": policy, "requests": len(trace), "finished": len(timings), "cut": len(cut),
+            "goodput": round(met / args.duration_s, 4), "slo_attainment": round(met / len(trace), 4),
+            "decode_tok_s": round(out_tokens / last, 1), "ttft_ms": quantiles_ms(ttft),
+            "ttft_long_ms": quantiles_ms(ttft_long), "decode_itl_ms": quantiles_ms(gaps),
+            "kv_usage_max": round(max(kv_usage, default=0.0), 4),
+            "preemptions": after.preemptions - before.preemptions,
+            "lends": after.lend_total - before.lend_total, "reclaims": after.reclaim_total - before.reclaim_total,
+            "budget_final": after.max_num_batched_tokens, "budget_median": statistics.median(budgets or [0]),
+            "elastic_final": after.elastic_mode, "granted_final": after.reserve_granted_blocks,
+            "decisions": decisions, "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores")}
+            if policy == "auto" else None, "wall_s": round(wall, 1)}
+
+
+def build_engine(args) -> LLMEngine:
+    high = args.budgets[0]
+    overrides = dict(max_position_embeddings=131072)
+    if args.num_layers:
+        overrides["num_hidden_layers"] = args.num_layers
+    folder = write_shape(args.shape, 1, **overrides)
+    flat = dict(model=folder, load_format="dummy", seed=args.seed, elastic="elastic", max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=high, max_model_len=max(high, args.long_tokens[1] + 512),
+                gpu_memory_utilization=args.gpu_memory_utilization, device=args.device)
+    if args.device == "cpu":
+        flat.update(num_kv_blocks=args.num_kv_blocks, reserve_blocks=args.reserve_blocks, dtype="float32")
+    return LLMEngine(EngineConfig.from_flat(**flat))
+
+
+def warm_up(engine: LLMEngine, args, vocab: int) -> None:
+    """A long prompt at each budget and a decode batch: graphs, kernels and the allocator reach steady state."""
+    rng = np.random.default_rng(1)
+    for budget in args.budgets:
+        engine.reconfigure(max_num_batched_tokens=budget)
+        engine.add_request(f"warm{budget}", rng.integers(3, vocab - 1, args.long_tokens[1]).tolist(),
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False),
+                           stream=False)
+        for k in range(min(8, args.max_num_seqs)):
+            engine.add_request(f"warm{budget}-{k}", rng.integers(3, vocab - 1, 64).tolist(),
+                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False),
+                               stream=False)
+        while engine.has_unfinished:
+            engine.step()
+    engine.drain_finished_timings()
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def summarize(rows: dict[str, dict], engine: LLMEngine, args) -> dict:
+    high, low = args.budgets
+    bm, kv = engine.block_manager, engine.runner.kv
+    out = {}
+    for b in (low, high):
+        r = rows.get(f"static{b}")
+        if r is not None:
+            out[f"ttft_median_ms_chunk{b}"] = r["ttft_ms"]["median"]
+            out[f"ttft_p99_ms_chunk{b}"] = r["ttft_ms"]["p99"]
+            out[f"itl_median_ms_chunk{b}"] = r["decode_itl_ms"]["median"]
+            out[f"itl_p99_ms_chunk{b}"] = r["decode_itl_ms"]["p99"]
+    out["kv_gain_elastic_blocks"] = kv.reserve_blocks_built
+    out["kv_gain_lower_chunk_blocks"] = kv.grant_target(low, high)
+    out["kv_blocks_base"] = bm.num_base - sum(kv.grants)
+    out["reserve_fraction"] = round(kv.reserve_blocks_built / max(1, bm.num_base - sum(kv.grants)), 5)
+    out["policies"] = {name: {"goodput": r["goodput"], "decode_tok_s": r["decode_tok_s"]} for name, r in rows.items()}
+    statics = [rows[p]["goodput"] for p in (f"static{high}", f"static{low}") if p in rows]
+    if "auto" in rows and statics:
+        out["auto_goodput_vs_best_static"] = round(rows["auto"]["goodput"] / max(max(statics), 1e-9), 4)
+        out["auto_chose"] = rows["auto"]["auto_state"]
+    out["runs"] = rows
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default=resolve_device().type, choices=("cuda", "cpu"))
+    ap.add_argument("--budgets", default="32768,8192", help="the high (sized) and the low step budget")
+    ap.add_argument("--policies", default=None, help="default: static<high>,static<low>,elastic,chunk,auto")
+    ap.add_argument("--duration-s", type=float, default=25.0, help="arrivals per policy run")
+    ap.add_argument("--drain-s", type=float, default=10.0, help="after the arrivals, before cutting what is left")
+    ap.add_argument("--decode-rate", type=float, default=12.0, help="decode-load arrivals per second (Poisson)")
+    ap.add_argument("--decode-prompt-tokens", default="1024,3072")
+    ap.add_argument("--decode-output-tokens", default="256,512")
+    ap.add_argument("--long-every-s", type=float, default=2.0)
+    ap.add_argument("--long-tokens", default="8192,32768")
+    ap.add_argument("--long-output-tokens", type=int, default=32)
+    ap.add_argument("--ttft-slo-ms", type=float, default=3000.0)
+    ap.add_argument("--itl-slo-ms", type=float, default=30.0)
+    ap.add_argument("--interval-s", type=float, default=1.0, help="controller round")
+    ap.add_argument("--trial-rounds", type=int, default=4, help="auto: rounds each knob is measured")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                    help="sizes the KV pool so that the steady load fills it (KV pressure is what lending is for)")
+    ap.add_argument("--num-kv-blocks", type=int, default=1024, help="CPU only (no measured sizing)")
+    ap.add_argument("--reserve-blocks", type=int, default=128, help="CPU only")
+    ap.add_argument("--num-layers", type=int, default=None, help="fewer layers than the shape (smoke runs only)")
+    ap.add_argument("--tp", type=int, default=1, choices=(1,), help="TP=2 needs a two-GPU machine (not built here)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "seed_experiment.json"))
+    args = ap.parse_args()
+    args.budgets = tuple(int(x) for x in args.budgets.split(","))
+    for name in ("decode_prompt_tokens", "decode_output_tokens", "long_tokens"):
+        setattr(args, name, tuple(int(x) for x in getattr(args, name).split(",")))
+    high, low = args.budgets
+    policies = (args.policies or f"static{high},static{low},elastic,chunk,auto").split(",")
+
+    t0 = time.time()
+    engine = build_engine(args)
+    vocab = engine.model_config.vocab_size
+    warm_up(engine, args, vocab)
+    trace = make_trace(args)
+    rows: dict[str, dict] = {}
+    result = {"provenance": {
+        "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "command": "python -m bench.seed_experiment " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",)),
+        "seed": args.seed, "warm_up": "one long prompt at each budget and 8 short requests, not counted",
+        "counted": "every request of the trace; cut requests count as missed", "torch": torch.__version__},
+        "trace": {"requests": len(trace), "long": sum(a.kind == "long" for a in trace),
+                  "duration_s": args.duration_s},
+        "tp2_status": "not run: no two-GPU machine was lent"}
+    for policy in policies:
+        rows[policy] = run_policy(engine, policy, trace, args, vocab)
+        r = rows[policy]
+        print(f"{policy:>12}: goodput {r['goodput']:.3f}/s  decode {r['decode_tok_s']:.0f} tok/s  "
+              f"TTFT {r['ttft_ms']['median']}/{r['ttft_ms']['p99']} ms  ITL {r['decode_itl_ms']['median']}/"
+              f"{r['decode_itl_ms']['p99']} ms  KV max {r['kv_usage_max']:.2f}  cut {r['cut']}  "
+              f"budget {r['budget_final']} elastic {r['elastic_final']}", flush=True)
+        result["tp1"] = summarize(rows, engine, args)
+        result["wall_seconds"] = round(time.time() - t0, 1)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    tp1 = result["tp1"]
+    print(f"\nKV blocks: base {tp1['kv_blocks_base']}, lending adds {tp1['kv_gain_elastic_blocks']}, "
+          f"budget {low} grants {tp1['kv_gain_lower_chunk_blocks']} (reserve fraction {tp1['reserve_fraction']})")
+    print(f"{'policy':>12} {'goodput/s':>10} {'decode tok/s':>13}")
+    for name, p in tp1["policies"].items():
+        print(f"{name:>12} {p['goodput']:>10.3f} {p['decode_tok_s']:>13.0f}")
+    if "auto_goodput_vs_best_static" in tp1:
+        print(f"auto / best static goodput: {tp1['auto_goodput_vs_best_static']}  (auto chose {tp1['auto_chose']})")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
