@@ -176,6 +176,7 @@ class LLMEngine:
         if self.elastic is not None:
             self._elastic_guarded(self.elastic.before_schedule)   # reclaim before a prefill that needs the reserve
         spec = self.speculator if self.speculation and self.speculator.enabled else None
+        start, emitted = time.perf_counter(), self.stats.generation_tokens
         self.scheduler.spec_budget = spec.budget(len(self.scheduler.running)) if spec is not None else 0
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -183,12 +184,19 @@ class LLMEngine:
             return []
         self._in_forward = False
         try:
-            return self._run(batch, spec)
+            outputs = self._run(batch, spec)
         except torch.OutOfMemoryError as e:
             if self._in_forward and self.runner.world_size > 1:
                 raise                   # the other ranks are inside this step's collectives
             self._fail_step(batch, e)
             return []
+        if spec is not None and not batch.has_prefill:
+            drafted = sum(1 for i in range(len(batch.seqs)) if batch.num_drafts(i))
+            if drafted in (0, len(batch.seqs)):
+                n = len(batch.seqs)
+                spec.record_round(n, self.scheduler.spec_budget if drafted else 0, time.perf_counter() - start,
+                                  (self.stats.generation_tokens - emitted) / n)
+        return outputs
 
     def _run(self, batch, spec) -> list[RequestOutput]:
         num_failed = len(self.failed)

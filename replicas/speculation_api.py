@@ -74,6 +74,10 @@ class Proposer(Protocol):
     def propose(self, seqs: Seq["Sequence"], num_nodes: int) -> DraftProposal:
         """One tree of num_nodes nodes per sequence, rooted at its last (uncomputed) token."""
 
+    def record_round(self, batch_size: int, nodes: int, seconds: float, tokens_per_seq: float) -> None:
+        """A decode-only step as the engine ran it end to end (scheduling to outputs), with `nodes` draft nodes per
+        sequence (0: plain) and the tokens it emitted per sequence: the budget policy weighs measured rounds."""
+
     def observe_step(self, batch: "ScheduledBatch", step: "StepInput", aux: list[Tensor]) -> None:
         """The step's rows that verified no tree: their computed tokens' hidden states (`aux`)."""
 

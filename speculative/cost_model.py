@@ -7,10 +7,18 @@ with the most tokens per second, and 0 (no speculation) unless some budget is st
 grows with b x n (and tree logits take b x (1+n) x V memory), so the budget shrinks as the batch grows.
 Latency between measured node counts is interpolated linearly; budgets beyond the measured range are not
 considered. A batch size between measured rows uses the next larger row (its costs are an upper bound).
+
+The start-up profile times the parts of a round (verify forward, draft and tree build), not the engine's whole
+round (acceptance, KV compaction, bookkeeping, synchronizations), nor the whole plain step. So the policy is also
+fed the engine's measured steps (`BudgetPolicy.observe`): per batch row it keeps the recent speculative rounds
+(seconds, tokens emitted per sequence) and plain steps, running a few plain steps now and then where it
+speculates so that both sides are measured, and turns speculation off at a row whose measured rounds emit fewer
+tokens per second than its measured plain steps. It only ever turns speculation down.
 """
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -84,19 +92,67 @@ def choose_budget(batch: int, verify: VerifyProfile, acceptance: AcceptanceProfi
     return best
 
 
-class BudgetPolicy:
-    """Budget per batch size, decided once from the profiles: `policy.budget(batch_size)` on the hot path."""
+class MeasuredSteps:
+    """One batch row's recent engine steps: speculative rounds at the chosen budget and plain steps."""
 
-    def __init__(self, verify: VerifyProfile, acceptance: AcceptanceProfile, **limits):
+    def __init__(self, window: int, probe_steps: int):
+        self.rounds: deque[tuple[float, float]] = deque(maxlen=window)     # (seconds, tokens per sequence)
+        self.plain: deque[float] = deque(maxlen=window)
+        self.since_probe = 0            # rounds since the last plain steps
+        self.probe_left = probe_steps   # plain steps still to run before the next round (first: measure plain)
+
+    @staticmethod
+    def rate(samples) -> float:
+        seconds = sum(s for s, _ in samples)
+        return sum(t for _, t in samples) / seconds if seconds > 0 else 0.0
+
+
+class BudgetPolicy:
+    """Budget per batch size, decided from the profiles at start-up and turned down where the engine's measured
+    rounds lose to its measured plain steps: `policy.budget(batch_size)` on the hot path."""
+
+    def __init__(self, verify: VerifyProfile, acceptance: AcceptanceProfile, *, window: int = 64,
+                 min_rounds: int = 32, probe_every: int = 256, probe_steps: int = 8, **limits):
         self.verify, self.acceptance, self.limits = verify, acceptance, limits
         self.choices = {b: choose_budget(b, verify, acceptance, **limits) for b in verify.batch_sizes}
         self.top_budget = max((c.budget for c in self.choices.values()), default=0)   # 0: never speculates
+        self.min_rounds, self.probe_every, self.probe_steps = min_rounds, probe_every, probe_steps
+        self.measured = {b: MeasuredSteps(window, probe_steps) for b in verify.batch_sizes}
+        self.turned_off: dict[int, str] = {}       # batch row -> why its measured rounds lost
 
     def budget(self, batch_size: int) -> int:
         """Above the largest measured batch: 0 (verify cost only grows with the batch; nothing says it pays)."""
         if batch_size > self.verify.batch_sizes[-1]:
             return 0
-        return self.choices[self.verify.batch_row(batch_size)].budget
+        row = self.verify.batch_row(batch_size)
+        n = self.choices[row].budget
+        return 0 if n and self.measured[row].probe_left > 0 else n     # plain steps measure plain here too
+
+    def observe(self, batch_size: int, nodes: int, seconds: float, tokens_per_seq: float) -> None:
+        """One decode step the engine ran at this batch size with `nodes` draft nodes per sequence (0: plain),
+        timed end to end, and the tokens it emitted per sequence."""
+        if batch_size > self.verify.batch_sizes[-1] or seconds <= 0:
+            return
+        row = self.verify.batch_row(batch_size)
+        m, n = self.measured[row], self.choices[row].budget
+        if nodes == 0:
+            m.plain.append(seconds)
+            m.probe_left = max(0, m.probe_left - 1)
+            return
+        if nodes != n:
+            return
+        m.rounds.append((seconds, tokens_per_seq))
+        m.since_probe += 1
+        if m.since_probe >= self.probe_every:
+            m.since_probe, m.probe_left = 0, self.probe_steps
+        if len(m.rounds) >= self.min_rounds and len(m.plain) >= self.probe_steps:
+            plain = len(m.plain) / sum(m.plain)
+            spec = MeasuredSteps.rate(m.rounds)
+            if spec < plain:
+                self.choices[row] = BudgetChoice(0, plain, 1.0)
+                self.turned_off[row] = (f"measured rounds of {n} nodes emit {spec:.1f} tokens/s per request, "
+                                        f"plain steps {plain:.1f}")
+                self.top_budget = max((c.budget for c in self.choices.values()), default=0)
 
     def describe(self) -> dict:
         """What the policy saw and chose, per measured batch size, in ms and tokens per round (for reports)."""
@@ -120,7 +176,13 @@ class BudgetPolicy:
                 reason = (f"plain {1e3 * plain:.3f} ms/token beats the best round ({best} nodes: verify "
                           f"{1e3 * self.verify.step_time(b, best):.3f} + draft {1e3 * draft:.3f} ms for "
                           f"{1 + self.acceptance.accepted[best]:.2f} tokens = {ms_per_token[best]:.3f} ms/token)")
+            if b in self.turned_off:
+                reason = "turned off: " + self.turned_off[b]
+            m = self.measured[b]
             rows[f"b{b}"] = dict(plain_ms=1e3 * plain, draft_ms=1e3 * draft,
+                                 measured_round_ms=1e3 * sum(s for s, _ in m.rounds) / len(m.rounds) if m.rounds
+                                 else None,
+                                 measured_plain_ms=1e3 * sum(m.plain) / len(m.plain) if m.plain else None,
                                  verify_ms={str(n): 1e3 * t for n, t in sorted(self.verify.step_seconds[b].items())
                                             if n},
                                  verify_graphed=sorted(n for bb, n in self.verify.graphed if bb == b and n),

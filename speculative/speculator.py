@@ -127,6 +127,11 @@ class Speculator:
         n = self.policy.budget(max(1, batch_size)) if self.policy is not None else 0
         return min(n, self.cfg.block_size) if self.method == "chain" else n      # a chain is one path
 
+    def record_round(self, batch_size: int, nodes: int, seconds: float, tokens_per_seq: float) -> None:
+        observe = getattr(self.policy, "observe", None)
+        if observe is not None:
+            observe(batch_size, nodes, seconds, tokens_per_seq)
+
     def builder(self, n: int):
         if n not in self._builders:
             opts = dict(max_depth=min(n, self.cfg.block_size)) if self.method == "chain" else \

@@ -6,7 +6,7 @@ import torch
 
 from tests.support.checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
-from speculative.cost_model import BudgetPolicy, KneeBudgetPolicy
+from speculative.cost_model import AcceptanceProfile, BudgetPolicy, KneeBudgetPolicy, VerifyProfile
 from speculative.profile import CPU_LARGEST_BATCH, measure_verify_profile, measured_budget_policy
 
 pytest.importorskip("transformers")
@@ -69,3 +69,65 @@ def test_default_policy_is_measured_on_cpu_and_never_picks_a_losing_budget(tmp_p
                 assert row["round_ms_per_token"][str(row["budget"])] < row["plain_ms"]
     finally:
         llm.shutdown()
+
+
+def favoring_policy(**kw) -> BudgetPolicy:
+    """A profile in which 4 draft nodes at batch 1 pay (verify as cheap as plain, tau 2)."""
+    verify = VerifyProfile({1: {0: 0.010, 4: 0.010}, 2: {0: 0.012, 4: 0.014}}, {1: 0.001, 2: 0.001})
+    return BudgetPolicy(verify, AcceptanceProfile({4: 1.0}), **kw)
+
+
+def test_measured_rounds_that_lose_to_measured_plain_steps_turn_speculation_off():
+    policy = favoring_policy(min_rounds=32, probe_every=256, probe_steps=8)
+    assert policy.choices[1].budget == 4
+    for _ in range(8):                       # plain is measured first where the profile says speculate
+        assert policy.budget(1) == 0
+        policy.observe(1, 0, 0.010, 1.0)
+    for _ in range(31):
+        assert policy.budget(1) == 4
+        policy.observe(1, 4, 0.030, 1.5)     # 50 tokens/s against plain's 100
+    assert policy.budget(1) == 4             # not yet: 31 rounds measured
+    policy.observe(1, 4, 0.030, 1.5)
+    assert policy.budget(1) == 0 and policy.choices[2].budget == policy.top_budget == 4   # row 2: not measured
+    assert policy.describe()["by_batch"]["b1"]["reason"].startswith("turned off")
+    policy.observe(1, 0, 0.010, 1.0)
+    assert policy.budget(1) == 0             # it only ever turns speculation down
+
+
+def test_measured_rounds_that_pay_keep_speculating_with_plain_probes():
+    policy = favoring_policy(min_rounds=8, probe_every=16, probe_steps=2)
+    kinds = []
+    for _ in range(60):
+        n = policy.budget(1)
+        kinds.append(n)
+        policy.observe(1, n, 0.012 if n else 0.010, 2.5 if n else 1.0)    # 208 tokens/s against 100
+    assert policy.budget(1) == 4 and not policy.turned_off
+    assert kinds[:2] == [0, 0] and kinds.count(0) == 2 + 2 * 3         # a plain probe after every 16 rounds
+    row = policy.describe()["by_batch"]["b1"]
+    assert row["measured_round_ms"] == pytest.approx(12.0) and row["measured_plain_ms"] == pytest.approx(10.0)
+
+
+def test_the_engine_reports_its_decode_steps_to_the_policy(llm):
+    """Every decode-only step reaches the policy with its nodes, its time and the tokens it emitted."""
+    spec = llm.engine.speculator
+    old, seen = spec.policy, []
+
+    class Recording:
+        top_budget = 4
+
+        def budget(self, batch_size):
+            return 4 if len(seen) % 3 else 0
+
+        def observe(self, batch_size, nodes, seconds, tokens_per_seq):
+            seen.append((batch_size, nodes, seconds, tokens_per_seq))
+
+        def describe(self):
+            return {}
+    try:
+        spec.policy = Recording()
+        llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    finally:
+        spec.policy = old
+    assert seen and all(b == 1 and s > 0 for b, _, s, _ in seen)
+    assert {n for _, n, _, _ in seen} == {0, 4}
+    assert all(t == 1.0 for _, n, _, t in seen if n == 0) and all(1.0 <= t <= 5.0 for _, n, _, t in seen if n)
