@@ -7,6 +7,7 @@ Only the engine thread calls `get`; the worker appends to the compile-time sampl
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -17,6 +18,8 @@ from replicas.structured.backend import GrammarBackend
 from replicas.structured.spec import GrammarSpec
 
 SAMPLES = 1000                  # newest compile times kept for the metrics (the recorder takes the new ones)
+
+log = logging.getLogger(__name__)
 
 
 class GrammarCache:
@@ -39,7 +42,9 @@ class GrammarCache:
         """The backend, built on first use (from the worker's first compile, or from here)."""
         with self._backend_lock:
             if self._backend is None:
+                start = time.perf_counter()
                 self._backend = self._make_backend()
+                log.info("grammar backend ready in %.1f s", time.perf_counter() - start)
             return self._backend
 
     def get(self, spec: GrammarSpec) -> Future:

@@ -5,12 +5,17 @@ Vocabulary: the tokenizer's tokens in their encoded spelling, padded with empty 
 allowed, so a grammar never lets `<|im_start|>` and the like into a JSON string. JSON is generated without free
 whitespace (`", "` and `": "` separators), so a grammar never lets a model pad its output with blank lines; in tool
 calls (xgrammar's structural tags) at most one whitespace character may separate two JSON tokens.
+
+Schemas: xgrammar compiles some keywords without enforcing them; a schema using one is refused (GrammarError), so an
+output never fails a schema the request was accepted with: `uniqueItems`, `contains` (and its bounds), `not`,
+`if`/`then`/`else`, `dependentRequired`/`dependentSchemas`/`dependencies`, `multipleOf` on non-integers, `allOf` of
+several schemas, and regex lookaround in `pattern`. `oneOf` is generated as `anyOf` (exclusivity is not checked).
 """
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import xgrammar as xgr
 from torch import Tensor
@@ -20,6 +25,14 @@ from replicas.structured.spec import GrammarSpec
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")    # xgrammar's C++ errors start with "[time] file.cc:line: "
 _ANY_OBJECT = json.dumps({"type": "object"})
+_NOT_ENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+                 "dependentRequired", "dependentSchemas", "dependencies")
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "propertyNames", "unevaluatedItems",
+              "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def vocab_type(backend_json: dict) -> tuple[xgr.VocabType, bool]:
@@ -52,6 +65,10 @@ class XGrammarBackend:
         self.batch = xgr.BatchGrammarMatcher(threads)
 
     def compile(self, spec: GrammarSpec) -> Any:
+        for schema in [spec.schema] if spec.kind == "json_schema" else [p for _, p in spec.tools]:
+            problem = not_enforced(json.loads(schema))
+            if problem is not None:
+                raise GrammarError(problem)
         try:
             if spec.kind == "json_schema":
                 return self.compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
@@ -83,6 +100,31 @@ class XGrammarBackend:
 
     def rollback(self, matcher: Any, num_tokens: int) -> None:
         matcher.rollback(num_tokens)
+
+
+def not_enforced(schema: Any, where: str = "#") -> Optional[str]:
+    """Why xgrammar would not enforce `schema` (a keyword it compiles but does not check), or None."""
+    if not isinstance(schema, dict):
+        return None
+    for key in _NOT_ENFORCED:
+        if key in schema:
+            return f"{key} is not supported (at {where})"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return f"multipleOf is supported on integers only (at {where})"
+    if len(schema.get("allOf") or ()) > 1:
+        return f"allOf of several schemas is not supported (at {where})"
+    if isinstance(schema.get("pattern"), str) and _LOOKAROUND.search(schema["pattern"]):
+        return f"pattern: lookahead and lookbehind are not supported (at {where})"
+    subschemas = [(f"{where}/{k}", schema[k]) for k in _SUBSCHEMA if k in schema]
+    subschemas += [(f"{where}/{k}/{i}", s) for k in _SUBSCHEMA_LISTS if isinstance(schema.get(k), list)
+                   for i, s in enumerate(schema[k])]
+    subschemas += [(f"{where}/{k}/{name}", s) for k in _SUBSCHEMA_MAPS if isinstance(schema.get(k), dict)
+                   for name, s in schema[k].items()]
+    for path, sub in subschemas:
+        problem = not_enforced(sub, path)
+        if problem is not None:
+            return problem
+    return None
 
 
 def create(tokenizer, vocab_size: int, stop_token_ids: Sequence[int], threads: int) -> XGrammarBackend:

@@ -138,7 +138,10 @@ def test_sync_rolls_a_matcher_back_and_forward_to_its_sequence(llm):
 
 
 @pytest.mark.parametrize("schema,error", [({"type": "array", "minItems": 100000}, "minItems"),
-                                          ({"$ref": "#/definitions/missing"}, "definitions")])
+                                          ({"$ref": "#/definitions/missing"}, "definitions"),
+                                          ({"type": "object", "properties": {"a": {"type": "array",
+                                                                                 "uniqueItems": True}}},
+                                           "uniqueItems is not supported (at #/properties/a)")])
 def test_a_schema_the_backend_refuses_fails_its_request_only(llm, schema, error):
     engine = llm.engine
     engine.add_request("bad", PROMPTS[0], constrained(schema), stream=False)
