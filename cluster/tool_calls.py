@@ -194,6 +194,8 @@ class _OpenCall:
 
 
 class ToolCallParser:
+    """Reads one choice's output (see the module's docstring); `calls` holds every call read so far."""
+
     def __init__(self, call_format: ToolCallFormat, new_id: Callable[[], str] = new_call_id):
         self.begin, self.end = call_format.begin.strip(), call_format.end.strip()
         self.new_id = new_id
@@ -201,7 +203,7 @@ class ToolCallParser:
         self._text = ""                     # text not yet classified
         self._call: Optional[_OpenCall] = None
         self._held_space = ""               # trailing whitespace of the content, sent only if content follows it
-        self._untagged = not self.begin     # llama3_json: the output is calls if it starts with "{"
+        self._bare_calls = not self.begin   # llama3_json: the output is bare JSON calls if it starts with "{"
         self._decided = bool(self.begin)
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -222,20 +224,20 @@ class ToolCallParser:
         self._text, self._call = "", None
         if call is not None and call.index is None:
             content = self.begin + call.text + content
-        elif self._untagged and not content.strip(" \t\n;"):
+        elif self._bare_calls and not content.strip(" \t\n;"):
             content = ""                     # separators after llama3_json calls
         return self._content(content), []
 
     # ---- text outside calls -------------------------------------------------------------------
     def _feed_text(self, content: list[str]) -> bool:
-        if self._untagged:
+        if self._bare_calls:
             if not self._decided:
                 stripped = self._text.lstrip()
                 if not stripped:
                     return False
                 self._decided = True
-                self._untagged = stripped.startswith("{")
-                if self._untagged:
+                self._bare_calls = stripped.startswith("{")
+                if self._bare_calls:
                     self._call, self._text = _OpenCall(), stripped
                 return True
             rest = self._text.lstrip().lstrip(";").lstrip()

@@ -7,10 +7,15 @@ the logits' device (CPU or CUDA, the same code); rows without a grammar are not 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-_BITS = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)   # bit 31 is the sign bit
+
+@lru_cache(maxsize=None)
+def _bits(device: torch.device) -> torch.Tensor:
+    """int32 [32]: 1 << b (bit 31 is the sign bit), once per device (no host-to-device copy per step)."""
+    return torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -25,7 +30,7 @@ class TokenMask:
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [C, vocab_size]: the unpacked mask."""
-    bits = _BITS.to(bitmask.device)
+    bits = _bits(bitmask.device)
     return (torch.bitwise_and(bitmask.unsqueeze(-1), bits) != 0).view(bitmask.shape[0], -1)[:, :vocab_size]
 
 
