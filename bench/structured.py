@@ -17,8 +17,8 @@ Cells: plain, then constrained, repeated --repeats times (interleaved, so drift 
 each cell runs for --seconds of wall time after its own warm-up of --warmup requests, then the requests still in
 flight are aborted. Counted: the engine's generation-token counter over the cell's wall time (tokens of aborted
 requests included: they were generated). `ratio` = median constrained tokens/s over median plain tokens/s. Also
-recorded: the host time to fill one step's bitmask (it overlaps the forward), and whether every finished
-constrained output parses and validates.
+recorded: the host time to fill one step's bitmask (it overlaps the forward), and whether every constrained
+output that finished (warm-ups included) parses and validates.
 """
 from __future__ import annotations
 
@@ -159,21 +159,29 @@ def main(argv: Optional[list[str]] = None) -> dict:
     grammar = GrammarSpec.json_schema(schema)
     constrained = SamplingParams(temperature=0.0, max_tokens=40 * args.records + 32, grammar=grammar,
                                  detokenize=False)
+    checked = {"finished": 0, "valid": 0}
+
+    def check(outputs: list[list[int]]) -> None:
+        checked["finished"] += len(outputs)
+        checked["valid"] += valid_outputs(llm, outputs, schema)
+
     warm = loop.run(constrained, requests=max(args.warmup, 1))
-    length = max(1, round(warm["mean_output_tokens"] or 1))
+    check(warm.pop("outputs"))
+    length = max(1, round(warm["mean_output_tokens"]))
     plain = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True, detokenize=False)
     params = {"plain": plain, "json_schema": constrained}
 
-    cells, valid, finished = [], 0, 0
+    cells = []
     for r in range(args.repeats):
         for mode in MODES:
             if args.warmup:
-                loop.run(params[mode], requests=args.warmup)
+                warm = loop.run(params[mode], requests=args.warmup)
+                if mode == "json_schema":
+                    check(warm["outputs"])
             cell = loop.run(params[mode], seconds=args.seconds)
             outputs = cell.pop("outputs")
             if mode == "json_schema":
-                valid += valid_outputs(llm, outputs, schema)
-                finished += len(outputs)
+                check(outputs)
             cells.append({"repeat": r, "mode": mode, **cell})
             print(f"repeat {r} {mode:>11}: {cell['tokens_per_s']:9.1f} tok/s over {cell['seconds']:.1f} s, "
                   f"{cell['requests_finished']} requests, mean {cell['mean_output_tokens']} tokens", flush=True)
@@ -192,14 +200,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "grammar": {"compile_ms": [round(s * 1e3, 2) for s in stats.grammar_compile_latencies],
                     "cache_hits": stats.grammar_cache_hits,
                     "mask_ms_per_step_median": round(statistics.median(masks), 4) if masks else None,
-                    "finished_outputs": finished, "valid_outputs": valid},
+                    "finished_outputs": checked["finished"], "valid_outputs": checked["valid"]},
         "method": __doc__,
         "provenance": provenance(args, argv, device),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"json_schema / plain = {result['ratio']:.3f} ({median['json_schema']:.1f} / {median['plain']:.1f} tok/s); "
-          f"{valid}/{finished} constrained outputs valid; wrote {args.out}")
+          f"{checked['valid']}/{checked['finished']} constrained outputs valid; wrote {args.out}")
     return result
 
 

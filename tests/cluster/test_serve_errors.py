@@ -207,6 +207,13 @@ class _ScriptedReplica:
     def engine_problem(self):
         return None
 
+    def tool_support(self):
+        from cluster.tool_calls import HERMES, ToolSupport
+        return ToolSupport(HERMES, native=False)
+
+    def max_schema_bytes(self):
+        return 1 << 16
+
     async def generate(self, job):
         from cluster.errors import engine_unavailable
         from cluster.protocol import ChoiceDelta, StreamStart

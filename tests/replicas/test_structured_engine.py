@@ -203,3 +203,18 @@ def test_constrained_requests_never_speculate(tiny):
         assert_valid(outs[0].outputs[0].text)
     finally:
         spec.shutdown()
+
+
+def test_vocabulary_type_from_the_tokenizer(tiny):
+    from replicas.loaders import load_checkpoint
+    from replicas.structured.xgrammar_backend import vocab_type, xgr
+
+    backend = load_checkpoint(tiny).tokenizer.backend
+    assert vocab_type(json.loads(backend.to_str())) == (xgr.VocabType.BYTE_LEVEL, False)
+    sentencepiece = {"normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}]},
+                     "decoder": {"type": "Sequence", "decoders": [{"type": "Replace"}, {"type": "ByteFallback"}]}}
+    assert vocab_type(sentencepiece) == (xgr.VocabType.BYTE_FALLBACK, True)
+    assert vocab_type({"decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}]},
+                       "pre_tokenizer": {"type": "Metaspace", "prepend_scheme": "never"}}) == \
+        (xgr.VocabType.BYTE_FALLBACK, False)
+    assert vocab_type({"decoder": None}) == (xgr.VocabType.RAW, False)
