@@ -175,7 +175,7 @@ class ResponseBuilder:
             self.num_tokens[i] += len(d.token_ids)
             self.finish[i] = finish or self.finish[i]
             if self.chat:
-                if not text and not calls and finish is None and piece is None:
+                if self.tool_parsers is not None and not (text or calls or finish or piece):
                     continue            # the tool-call parser holds it back
                 choice = ChatChoice(index=i, delta=ChatDelta(content=text or None,
                                                              tool_calls=_tool_call_chunks(calls) if calls else None),
