@@ -32,7 +32,8 @@ class EngineStats:
     # counters (monotonic)
     num_steps: int = 0
     prefill_steps: int = 0                 # steps with a prompt chunk (more than decode/verify tokens)
-    prompt_tokens: int = 0                 # prompt tokens of requests that reached their first token (cache hits included)
+    prompt_tokens: int = 0                 # prompt tokens of requests that reached their first token (cache hits
+                                           # included)
     generation_tokens: int = 0
     prefix_cache_queries: int = 0          # prompt tokens looked up
     prefix_cache_hits: int = 0             # prompt tokens served from cache
