@@ -18,7 +18,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,6 +29,7 @@ from cluster.errors import (ErrorResponse, OpenAIError, from_validation_error, i
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerationJob, StreamFailure, StreamStart
 from cluster.responses import ChatCompletionResponse, CompletionResponse, HealthStatus, ModelCard, ModelList, \
     ResponseBuilder
+from cluster.tool_calls import template_messages
 from replicas.sampling_params import SamplingParams, SamplingParamsError
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -73,9 +74,9 @@ app = OpenAIApp(title="tidal", description="OpenAI-compatible LLM serving on Ray
 install_error_handlers(app)
 
 
-def _sampling_params(req: Union[CompletionRequest, ChatCompletionRequest]) -> SamplingParams:
+def _sampling_params(build: Callable[[], SamplingParams]) -> SamplingParams:
     try:
-        return req.sampling_params()
+        return build()
     except SamplingParamsError as e:
         raise OpenAIError(400, str(e), e.param, "invalid_value") from None
 
@@ -161,8 +162,9 @@ class OpenAIRoutes:
     """The routes and their HTTP handling. The subclass owns the engine and provides `generate(job)` (an async
     iterator of one job's frames; it refuses work beyond its queue with a 503 `StreamFailure`, and raises an
     `OpenAIError` for a failure after the first frame), `model_identity()` -> (name, max_model_len),
-    `engine_problem()` -> None or why the engine cannot serve, and `async replicas_describe()` (every replica's
-    `describe()`)."""
+    `engine_problem()` -> None or why the engine cannot serve, `async replicas_describe()` (every replica's
+    `describe()`), `tool_support()` -> the served chat template's `cluster.tool_calls.ToolSupport` and
+    `max_schema_bytes()` -> the engine's bound on the JSON schemas of one request."""
 
     def _init_routes(self, api_key: Optional[str], served_model_name: Optional[str], max_body_bytes: int) -> None:
         self.api_key = api_key or None
@@ -198,7 +200,7 @@ class OpenAIRoutes:
     async def completions(self, request: Request):
         request_id = request.state.request_id = f"cmpl-{uuid.uuid4().hex}"
         req: CompletionRequest = await self._parse(request, CompletionRequest)
-        params = _sampling_params(req)
+        params = _sampling_params(lambda: req.sampling_params(self.max_schema_bytes()))
         jobs = [GenerationJob(f"{request_id}-{i}", params, prompt=p) for i, p in enumerate(req.prompts())]
         builder = ResponseBuilder("completion", request_id, req.model, params.n, len(jobs), params.logprobs,
                                   req.include_usage)
@@ -209,9 +211,13 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request):
         request_id = request.state.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        params = _sampling_params(req)
-        jobs = [GenerationJob(request_id, params, messages=req.chat_messages())]
-        builder = ResponseBuilder("chat", request_id, req.model, params.n, 1, params.logprobs, req.include_usage)
+        support = self.tool_support()
+        tools = req.tool_plan(support, self.max_schema_bytes())
+        params = _sampling_params(lambda: req.sampling_params(tools, self.max_schema_bytes()))
+        messages, offered = template_messages(req.chat_messages(), tools.offered, support)
+        jobs = [GenerationJob(request_id, params, messages=messages, tools=offered)]
+        builder = ResponseBuilder("chat", request_id, req.model, params.n, 1, params.logprobs, req.include_usage,
+                                  tool_format=support.call_format if tools.parse else None)
         return await self._respond(jobs, builder, req.stream)
 
     # ---- request handling -------------------------------------------------------------

@@ -26,6 +26,7 @@ from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamSt
 from cluster.rank_actor import RayRankLauncher
 from cluster.recent_requests import RecentRequests
 from cluster.replica_metrics import MetricsPump
+from cluster.tool_calls import ToolSupport
 from replicas.async_engine import (AsyncLLMEngine, ChatPrompt, EngineDeadError, EngineDraining, EngineStepError,
                                    RequestError, RequestTimeout)
 from replicas import envs
@@ -117,6 +118,8 @@ class EngineReplica(OpenAIRoutes):
         if engine_config.tensor_parallel_size > 1:
             self.launcher = RayRankLauncher(engine_config.device == "cuda", cpus_per_rank)
         self.engine = AsyncLLMEngine(replica_engine_config(engine_config), worker_launcher=self.launcher)
+        templates = self.engine.tokenizer.chat_templates
+        self._tool_support = ToolSupport.of_template(templates.get("tool_use") or templates.get("default"))
         self._streams = 0                    # generate() calls in flight
         self._peers = None                   # this deployment's handle, for /stats
         self.recent = RecentRequests()
@@ -192,10 +195,16 @@ class EngineReplica(OpenAIRoutes):
 
     @staticmethod
     def _prompt(job: GenerationJob) -> Union[str, list[int], ChatPrompt]:
-        return ChatPrompt(job.messages) if job.messages is not None else job.prompt
+        return ChatPrompt(job.messages, job.tools) if job.messages is not None else job.prompt
 
     def model_identity(self) -> tuple[str, int]:
         return self.engine.model_name, self.engine.max_model_len
+
+    def tool_support(self) -> ToolSupport:
+        return self._tool_support
+
+    def max_schema_bytes(self) -> int:
+        return self.engine.config.limits.max_schema_bytes
 
     async def replicas_describe(self) -> list:
         if self._peers is None:

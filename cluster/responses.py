@@ -8,7 +8,9 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel
 
 from cluster.protocol import ChoiceDelta, StreamStart
+from cluster.tool_calls import ToolCallDelta, ToolCallParser
 from replicas.outputs import Logprob
+from replicas.structured.spec import ToolCallFormat
 
 
 # ---- responses -------------------------------------------------------------------------
@@ -53,9 +55,22 @@ class CompletionResponse(BaseModel):
     usage: Optional[Usage] = None
 
 
+class FunctionCallOut(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallOut(BaseModel):
+    index: Optional[int] = None           # in stream chunks only
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCallOut
+
+
 class ChatDelta(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):
@@ -99,14 +114,30 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_
     return {"content": content}
 
 
+def _tool_call_chunks(deltas: list[ToolCallDelta]) -> list[ToolCallOut]:
+    """One entry per call in a chunk: a call's header and its first arguments piece travel together."""
+    merged: dict[int, ToolCallOut] = {}
+    for d in deltas:
+        out = merged.get(d.index)
+        if out is None:
+            merged[d.index] = ToolCallOut(index=d.index, id=d.id, type="function" if d.id else None,
+                                          function=FunctionCallOut(name=d.name, arguments=d.arguments))
+        else:
+            out.function.arguments += d.arguments
+    return list(merged.values())
+
+
 class ResponseBuilder:
     """Turns one request's frames into OpenAI stream chunks and/or the final response body.
 
-    Choice `i` of prompt `j` is choice `j * n + i` of the response, as in the OpenAI API.
+    Choice `i` of prompt `j` is choice `j * n + i` of the response, as in the OpenAI API. With `tool_format`
+    (a chat offering tools) each choice's text goes through a ToolCallParser: content and tool calls apart, the
+    finish reason `tool_calls` when a choice that called a tool stopped on its own.
     """
 
     def __init__(self, kind: Literal["chat", "completion"], request_id: str, model: str, n: int,
-                 num_prompts: int, logprobs: Optional[int], include_usage: bool):
+                 num_prompts: int, logprobs: Optional[int], include_usage: bool,
+                 tool_format: Optional[ToolCallFormat] = None):
         self.chat = kind == "chat"
         self.id, self.model, self.n = request_id, model, n
         self.created = int(time.time())
@@ -119,6 +150,7 @@ class ResponseBuilder:
         self.finish: list[Optional[str]] = [None] * count
         self.logprobs: list[Optional[dict]] = [None] * count
         self.prompt_tokens = 0
+        self.tool_parsers = [ToolCallParser(tool_format) for _ in range(count)] if tool_format else None
 
     def start(self, prompt_index: int, start: StreamStart) -> None:
         self.prompt_tokens += start.prompt_tokens
@@ -135,17 +167,32 @@ class ResponseBuilder:
         for d in deltas:
             i = prompt_index * self.n + d.index
             piece = self._logprobs_piece(i, d)
-            self.texts[i].append(d.text)
-            self.text_len[i] += len(d.text)
+            text, calls, finish = d.text, None, d.finish_reason
+            if self.tool_parsers is not None:
+                text, calls, finish = self._parse_tools(i, d)
+            self.texts[i].append(text)
+            self.text_len[i] += len(text)
             self.num_tokens[i] += len(d.token_ids)
-            self.finish[i] = d.finish_reason or self.finish[i]
+            self.finish[i] = finish or self.finish[i]
             if self.chat:
-                choice = ChatChoice(index=i, delta=ChatDelta(content=d.text or None), logprobs=piece,
-                                    finish_reason=d.finish_reason)
+                if self.tool_parsers is not None and not (text or calls or finish or piece):
+                    continue            # the tool-call parser holds it back
+                choice = ChatChoice(index=i, delta=ChatDelta(content=text or None,
+                                                             tool_calls=_tool_call_chunks(calls) if calls else None),
+                                    logprobs=piece, finish_reason=finish)
             else:
                 choice = CompletionChoice(index=i, text=d.text, logprobs=piece, finish_reason=d.finish_reason)
             chunks.append(self._chunk(choice))
         return chunks
+
+    def _parse_tools(self, i: int, d: "ChoiceDelta") -> tuple[str, list[ToolCallDelta], Optional[str]]:
+        parser = self.tool_parsers[i]
+        text, calls = parser.feed(d.text)
+        if d.finish_reason is None:
+            return text, calls, None
+        more, last = parser.finish()
+        finish = "tool_calls" if parser.calls and d.finish_reason == "stop" else d.finish_reason
+        return text + more, calls + last, finish
 
     @property
     def finished(self) -> bool:
@@ -162,9 +209,8 @@ class ResponseBuilder:
 
     def final(self) -> dict:
         if self.chat:
-            choices = [ChatChoice(index=i, message=ChatDelta(role="assistant", content="".join(t)),
-                                  logprobs=self.logprobs[i], finish_reason=self.finish[i])
-                       for i, t in enumerate(self.texts)]
+            choices = [ChatChoice(index=i, message=self._message(i, "".join(t)), logprobs=self.logprobs[i],
+                                  finish_reason=self.finish[i]) for i, t in enumerate(self.texts)]
             body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                           usage=self.usage())
         else:
@@ -173,6 +219,14 @@ class ResponseBuilder:
             body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage())
         return body.model_dump(exclude_none=True)
+
+    def _message(self, i: int, content: str) -> ChatDelta:
+        calls = self.tool_parsers[i].calls if self.tool_parsers is not None else []
+        if not calls:
+            return ChatDelta(role="assistant", content=content)
+        return ChatDelta(role="assistant", content=content or None, tool_calls=[
+            ToolCallOut(id=c.id, type="function", function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in calls])
 
     def _chunk(self, choice, usage: Optional[Usage] = None) -> dict:
         cls = ChatCompletionResponse if self.chat else CompletionResponse

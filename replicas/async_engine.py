@@ -24,7 +24,7 @@ from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, Clie
                                       DrainFinishedTimings, EngineCall, EngineInfo, GetStats, Outputs, Prompt,
                                       Ready, Reconfigure, Reply, RequestFailed, Shutdown)
 from replicas.outputs import RequestOutput
-from replicas.request import EngineStepError, RequestError, check_params, check_prompt
+from replicas.request import EngineStepError, RequestError, check_logit_bias, check_params, check_prompt
 from replicas.sampling_params import SamplingParams
 from replicas.stats import EngineStats, RequestTimings
 
@@ -221,7 +221,7 @@ class AsyncLLMEngine:
     # ---- tokenization (worker threads) ----------------------------------------------------------
     def _tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, ChatPrompt):
-            return None, self.tokenizer.encode_chat(prompt.messages, add_generation_prompt=True)
+            return None, self.tokenizer.encode_chat(prompt.messages, add_generation_prompt=True, tools=prompt.tools)
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt", "the prompt is empty", "empty_prompt")
@@ -261,6 +261,7 @@ class AsyncLLMEngine:
                 timer = loop.call_at(deadline, q.put_nowait, RequestTimeout(
                     f"request {request_id!r} passed its deadline"))
             check_params(params, self.config.limits)
+            check_logit_bias(params, self.info.vocab_size)
             text, ids = await loop.run_in_executor(self._tokenize_pool, self._tokenize, prompt)
             check_prompt(ids, params, self.max_model_len)
             if deadline is not None and loop.time() >= deadline:

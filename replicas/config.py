@@ -252,12 +252,24 @@ class ServingConfig(_Checked):
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig(_Checked):
+    """Grammar-guided decoding: response_format and forced tool calls (docs/structured_outputs.md)."""
+    backend: str = setting("xgrammar", "grammar backend of structured outputs (none: requests that need a grammar "
+                                       "are refused)", flat="grammar_backend", choices=("xgrammar", "none"))
+    cache_size: int = setting(64, "compiled grammars kept, one per distinct schema (least recently used dropped)",
+                              flat="grammar_cache_size", minimum=1)
+
+
+@dataclass(frozen=True)
 class LimitsConfig(_Checked):
     """Bounds on what one request may ask for; beyond them the request is refused with a 400 naming the
     parameter."""
     max_stop_token_ids: int = setting(64, "stop_token_ids one request may give", minimum=0)
     max_stop_strings: int = setting(16, "stop strings one request may give", minimum=0)
     max_stop_string_chars: int = setting(256, "characters of one stop string", minimum=1)
+    max_schema_bytes: int = setting(65536, "bytes of the JSON schemas one request's grammar is compiled from "
+                                           "(response_format's schema, or the parameters of the tools it forces)",
+                                    minimum=2)
 
 
 @dataclass(frozen=True)
@@ -283,6 +295,7 @@ class EngineConfig(_Checked):
     speculative: SpeculativeConfig = group(SpeculativeConfig, "speculative decoding")
     graphs: GraphsConfig = group(GraphsConfig, "CUDA graphs")
     serving: ServingConfig = group(ServingConfig, "streaming to a server")
+    structured: StructuredOutputConfig = group(StructuredOutputConfig, "structured outputs")
     limits: LimitsConfig = group(LimitsConfig, "per-request limits")
 
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from functools import partial
 import time
@@ -26,7 +27,7 @@ from replicas.config import EngineConfig
 from replicas.distributed.launch import LaunchedRanks, ProcessLauncher, WorkerLauncher, free_port
 from replicas.model_runner import ModelRunner
 from replicas.outputs import Logprob, RequestOutput
-from replicas.request import EngineStepError, Request, RequestError, check_params, check_prompt
+from replicas.request import EngineStepError, Request, RequestError, check_logit_bias, check_params, check_prompt
 from replicas.sampler import Sampler, SamplingBatch
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import Scheduler
@@ -35,8 +36,11 @@ from replicas.speculation_api import Proposer, VerifiedRound, Verifier, load_spe
 from replicas.stats import EngineStats, RequestTimings
 from replicas.step_input import StepInput
 from replicas.stream_coalescer import StreamCoalescer
+from replicas.structured.backend import GrammarError
+from replicas.structured.guided import GuidedDecoding
 
 Prompt = Union[str, list[int]]
+COMPILE_WAIT_S = 0.05       # an engine with nothing to run but grammars compiling waits this long per step
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,14 @@ class LLMEngine:
             self.speculator, self.verifier = load_speculation(config, self.model_config, self.runner, self.sampler,
                                                               self.eos_token_ids)
         self.speculation = self.speculator is not None
+        # ids valid in both the model and the tokenizer (what logit_bias may name)
+        self.vocab_size = min(self.model_config.vocab_size, self.tokenizer.vocab_size)
+        self.guided: Optional[GuidedDecoding] = None
+        if config.structured.backend != "none":
+            self.guided = GuidedDecoding(config.structured.backend, config.structured.cache_size, self.tokenizer,
+                                         self.model_config.vocab_size, self.eos_token_ids,
+                                         config.scheduling.max_num_seqs, self.runner.device)
+        self._compiling: dict[str, Future] = {}     # request id -> its grammar's compile; it waits outside the queue
 
     def _fit_max_model_len(self) -> int:
         """One sequence of max_model_len tokens must fit the blocks a sequence can always have (the base region:
@@ -123,6 +135,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError("request_id", f"request id {request_id!r} is already running")
         check_params(params, self.config.limits)
+        check_logit_bias(params, self.vocab_size)
+        if params.grammar is not None and self.guided is None:
+            raise RequestError(params.grammar.param, "structured outputs are off on this server (grammar_backend "
+                               "none)", "unsupported_parameter")
         if isinstance(prompt, str) and not prompt:
             raise RequestError("prompt", "the prompt is empty", "empty_prompt")
         text = prompt if isinstance(prompt, str) else None
@@ -137,6 +153,12 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, seqs,
                       [self._detokenizer_cls(self.tokenizer, ids, params) for _ in seqs], stream)
         self.requests[request_id] = req
+        if params.constrained:
+            kind = params.grammar.kind if params.grammar is not None else "logit_bias"
+            self.stats.constrained_requests[kind] = self.stats.constrained_requests.get(kind, 0) + 1
+        if params.grammar is not None:
+            self._compiling[request_id] = self.guided.compile(params.grammar)
+            return
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -149,6 +171,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._compiling.pop(request_id, None)
         self.coalescer.forget(request_id)
         for seq in req.seqs:
             if not seq.is_finished:
@@ -173,6 +196,8 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._compiling:
+            self._admit_compiled()
         if self.elastic is not None:
             self._elastic_guarded(self.elastic.before_schedule)   # reclaim before a prefill that needs the reserve
         spec = self.speculator if self.speculation and self.speculator.enabled else None
@@ -181,6 +206,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self._fail_unschedulable()
+            if self._compiling:
+                wait(list(self._compiling.values()), COMPILE_WAIT_S, FIRST_COMPLETED)
             return []
         self._in_forward = False
         try:
@@ -205,18 +232,23 @@ class LLMEngine:
         trees = dict(zip(drafted, proposal.rows)) if drafted else None
         step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
                                     spec.aux_layers if spec is not None else ())
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        # rows of `sampling` that follow a grammar: their bitmask is filled while the forward runs
+        guided = [row for row, i in enumerate(sampling) if batch.seqs[i].grammar is not None]
+        broken: list[tuple[Sequence, Exception]] = []
+        pending_mask = self._start_mask([batch.seqs[sampling[r]] for r in guided], broken) if guided else None
         self._in_forward = True
         logits = self.runner.execute(step)
         self._in_forward = False
-        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted) if drafted else ([], [])
         tokens, out = [], None
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
+            mask = self.guided.token_mask(pending_mask, guided, logits.device) if guided else None
             sb = SamplingBatch.build(
                 [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
                 _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),
-                self.eos_token_ids, self.model_config.vocab_size, logits.device)
+                self.eos_token_ids, self.model_config.vocab_size, logits.device, token_mask=mask)
             out = self.sampler(logits if not drafted else logits[plain_rows], sb)
             tokens = out.token_ids.tolist()
         now = time.monotonic()
@@ -230,6 +262,10 @@ class LLMEngine:
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, before)
+        for seq, error in broken:
+            self._fail_own(seq.request_id, error)
+        if guided:
+            self._accept_guided([batch.seqs[sampling[r]] for r in guided], [tokens[r] for r in guided])
         if drafted:
             seqs = [batch.seqs[i] for i in drafted]
             first_rows = [int(step.query_start_loc[i]) for i in drafted]
@@ -258,6 +294,44 @@ class LLMEngine:
             if req.finished:
                 self._retire(req)
         return outputs
+
+    # ---- structured outputs -----------------------------------------------------------------
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the queue; those whose grammar failed end with a 400."""
+        for rid, compiling in list(self._compiling.items()):
+            if not compiling.done():
+                continue
+            del self._compiling[rid]
+            req = self.requests[rid]
+            try:
+                compiled = compiling.result()
+            except GrammarError as e:
+                self._fail(rid, RequestError(req.params.grammar.param, f"the schema cannot be used: {e}",
+                                             "invalid_value"))
+                continue
+            except Exception as e:  # noqa: BLE001 - the backend failed (not the request): this request ends
+                self._fail_own(rid, e)
+                continue
+            self.guided.attach(req.seqs, compiled)
+            for seq in req.seqs:
+                self.scheduler.add(seq)
+
+    def _start_mask(self, seqs: list[Sequence], broken: list) -> Future:
+        """Start filling the bitmask rows of `seqs`; a sequence whose tokens its grammar refuses goes to `broken`
+        (its request fails once the step's forward is done: its blocks are in the step)."""
+        for seq in seqs:
+            try:
+                self.guided.sync(seq)
+            except GrammarError as e:
+                broken.append((seq, e))
+        return self.guided.fill(seqs)
+
+    def _accept_guided(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        live = [(seq, t) for seq, t in zip(seqs, tokens) if seq.request_id in self.requests]
+        accepted = self.guided.accept([seq for seq, _ in live], [t for _, t in live])
+        for (seq, token), ok in zip(live, accepted):
+            if not ok:
+                self._fail_own(seq.request_id, GrammarError(f"the sampled token {token} does not match the grammar"))
 
     # ---- failures ---------------------------------------------------------------------------
     def _fail_own(self, request_id: str, error: Exception) -> None:
@@ -501,13 +575,22 @@ class LLMEngine:
         s.prefix_cache_hits = self.block_manager.hits
         if self.elastic is not None:
             self.elastic.fill_stats(s)
-        s.bookkeeping = {"engine_requests": len(self.requests),
+        s.constrained_requests = dict(self.stats.constrained_requests)
+        s.spec_constrained_plain = self.scheduler.num_constrained_plain
+        if self.guided is not None:
+            cache = self.guided.cache
+            s.grammar_compiles, s.grammar_cache_hits = cache.compiles, cache.hits
+            s.grammar_compile_latencies = list(cache.compile_seconds)
+            s.grammar_mask_steps, s.grammar_mask_latencies = self.guided.mask_steps, list(self.guided.mask_seconds)
+        s.bookkeeping = {"engine_requests": len(self.requests), "grammar_compiling": len(self._compiling),
                          "scheduled_sequences": s.num_running + s.num_waiting,
                          "stream_coalescer": self.coalescer.num_tracked,
                          "drafter_contexts": self.speculator.num_tracked if self.speculator is not None else 0}
         return s
 
     def shutdown(self) -> None:
+        if self.guided is not None:
+            self.guided.shutdown()
         self.runner.shutdown()
         if self.launcher is not None:
             self.launcher.shutdown()

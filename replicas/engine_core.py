@@ -142,10 +142,10 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
     try:
         launcher = LaunchedRanks(init_method) if config.tensor_parallel_size > 1 else None
         engine = LLMEngine(config, worker_launcher=launcher)
-        vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
         core = EngineCore(engine, inputs, outputs, heartbeat)
         core.beat()
-        outputs.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, vocab, engine.elastic is not None)))
+        outputs.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
+                                      engine.elastic is not None)))
         core.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("the serving process went away; the engine core stops")

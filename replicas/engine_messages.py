@@ -16,8 +16,10 @@ from replicas.sampling_params import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
-    """Chat messages that AsyncLLMEngine turns into prompt ids with the model's chat template."""
+    """Chat messages (and tools to offer, OpenAI tool objects) that AsyncLLMEngine turns into prompt ids with the
+    model's chat template."""
     messages: list[dict]
+    tools: Optional[list[dict]] = None
 
 
 Prompt = Union[str, list[int], ChatPrompt]          # what AsyncLLMEngine takes

@@ -66,6 +66,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # Elastic KV: decommit takes a few ms, recommit tens of ms; the tail reaches seconds with migration.
 ELASTIC_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Grammars: a compile takes milliseconds to seconds (large schemas, large vocabularies); a step's bitmask fill
+# tens of microseconds per row.
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+GRAMMAR_MASK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 C, G, H = Kind.COUNTER, Kind.GAUGE, Kind.HISTOGRAM
 METRICS: dict[str, MetricSpec] = {s.name: s for s in (
@@ -107,6 +111,16 @@ METRICS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("spec_decode_num_draft_tokens", C, "Draft tokens proposed."),
     MetricSpec("spec_decode_num_accepted_tokens", C, "Draft tokens accepted."),
     MetricSpec("spec_decode_num_accepted_tokens_per_pos", C, "Accepted draft tokens by depth.", ("position",)),
+    MetricSpec("spec_decode_constrained_plain", C,
+               "Decode rows of constrained requests (grammar or logit_bias) that decoded plainly where they "
+               "would have drafted."),
+    # structured outputs
+    MetricSpec("constrained_requests", C, "Requests with a grammar or logit_bias, by kind.", ("kind",)),
+    MetricSpec("grammar_cache_hits", C, "Grammar requests served from the compiled-grammar cache."),
+    MetricSpec("grammar_compile_seconds", H, "Duration of one grammar compile (a cache miss).",
+               buckets=GRAMMAR_COMPILE_BUCKETS),
+    MetricSpec("grammar_mask_seconds", H, "Host time to fill one step's grammar bitmask (overlaps the forward).",
+               buckets=GRAMMAR_MASK_BUCKETS),
     # fleet controller
     MetricSpec("controller_decisions", C, "Controller decisions applied to a replica.", ("knob", "reason")),
     MetricSpec("controller_setting", G, "Value the controller last set for a knob.", ("knob",)),
@@ -129,6 +143,21 @@ COUNTER_FIELDS: tuple[tuple[str, str], ...] = (
     ("spec_drafts", "spec_decode_num_drafts"),
     ("spec_draft_tokens", "spec_decode_num_draft_tokens"),
     ("spec_accepted_tokens", "spec_decode_num_accepted_tokens"),
+    ("spec_constrained_plain", "spec_decode_constrained_plain"),
+    ("grammar_cache_hits", "grammar_cache_hits"),
+)
+# EngineStats counters by label value (a list: by index; a dict: by key) -> (metric name, label).
+LABELLED_COUNTER_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("spec_accepted_by_position", "spec_decode_num_accepted_tokens_per_pos", "position"),
+    ("constrained_requests", "constrained_requests", "kind"),
+)
+# (EngineStats count of samples taken, EngineStats newest samples, histogram): the count's increase says how many
+# of the newest samples are new since the previous snapshot.
+LATENCY_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("lend_total", "lend_latencies", "elastic_lend_seconds"),
+    ("reclaim_total", "reclaim_latencies", "elastic_reclaim_seconds"),
+    ("grammar_compiles", "grammar_compile_latencies", "grammar_compile_seconds"),
+    ("grammar_mask_steps", "grammar_mask_latencies", "grammar_mask_seconds"),
 )
 
 class MetricSink(Protocol):
@@ -148,14 +177,15 @@ class StatsRecorder:
         self.sink = sink
         self.labels = {"model_name": model_name, "replica": replica, "tp_rank": str(tp_rank)}
         self._prev = {field: 0 for field, _ in COUNTER_FIELDS}
-        self._prev_by_position: list[int] = []
+        self._prev_labelled: dict[str, dict[str, int]] = {field: {} for field, _, _ in LABELLED_COUNTER_FIELDS}
+        self._prev_samples = {count: 0 for count, _, _ in LATENCY_FIELDS}
         self._modes: set[str] = set()                 # elastic modes seen; all but the current one export 0
         self._settings: dict[str, float] = {}         # knob -> the value the controller last set
 
     def record(self, stats: EngineStats, timings: Sequence[RequestTimings] = ()) -> None:
-        increments = self._record_counters(stats)
+        self._record_counters(stats)
         self._record_gauges(stats)
-        self._record_elastic_latencies(stats, increments)
+        self._record_latencies(stats)
         self._record_timings(timings)
 
     def record_controller_decision(self, knob: str, value: float, reason: str, applied: bool = True) -> None:
@@ -165,21 +195,19 @@ class StatsRecorder:
             self._settings[knob] = float(value)
             self.sink.set(METRICS["controller_setting"], float(value), {**self.labels, "knob": knob})
 
-    def _record_counters(self, stats: EngineStats) -> dict[str, float]:
-        """Exports each counter's increase since the previous snapshot; returns the increases by field."""
-        increments = {}
+    def _record_counters(self, stats: EngineStats) -> None:
+        """Exports each counter's increase since the previous snapshot."""
         for field, name in COUNTER_FIELDS:
             now = getattr(stats, field)
-            increments[field] = _increment(self._prev[field], now)
-            self._inc(METRICS[name], increments[field], self.labels)
+            self._inc(METRICS[name], _increment(self._prev[field], now), self.labels)
             self._prev[field] = now
-        by_position = list(stats.spec_accepted_by_position)
-        spec = METRICS["spec_decode_num_accepted_tokens_per_pos"]
-        for pos, now in enumerate(by_position):
-            before = self._prev_by_position[pos] if pos < len(self._prev_by_position) else 0
-            self._inc(spec, _increment(before, now), {**self.labels, "position": str(pos)})
-        self._prev_by_position = by_position
-        return increments
+        for field, name, label in LABELLED_COUNTER_FIELDS:
+            values = getattr(stats, field)
+            by_label = {str(k): v for k, v in (enumerate(values) if isinstance(values, list) else values.items())}
+            prev = self._prev_labelled[field]
+            for value, now in by_label.items():
+                self._inc(METRICS[name], _increment(prev.get(value, 0), now), {**self.labels, label: value})
+            self._prev_labelled[field] = by_label
 
     def _record_gauges(self, stats: EngineStats) -> None:
         values = {
@@ -202,12 +230,12 @@ class StatsRecorder:
         for knob, value in list(self._settings.items()):
             self.sink.set(METRICS["controller_setting"], value, {**self.labels, "knob": knob})
 
-    def _record_elastic_latencies(self, stats: EngineStats, increments: dict[str, float]) -> None:
-        # The stats carry the newest samples (not drained on read); the lend/reclaim totals say how many
-        # are new since the previous snapshot.
-        for total, field, name in (("lend_total", "lend_latencies", "elastic_lend_seconds"),
-                                   ("reclaim_total", "reclaim_latencies", "elastic_reclaim_seconds")):
-            new = int(increments[total])
+    def _record_latencies(self, stats: EngineStats) -> None:
+        # The stats carry the newest samples (not drained on read); their counts say how many are new.
+        for count, field, name in LATENCY_FIELDS:
+            now = getattr(stats, count)
+            new = int(_increment(self._prev_samples[count], now))
+            self._prev_samples[count] = now
             samples = list(getattr(stats, field, None) or [])[-new:] if new else []
             if samples:
                 self.sink.observe(METRICS[name], samples, self.labels)

@@ -45,6 +45,17 @@ def check_params(params: SamplingParams, limits) -> None:
     if longest > limits.max_stop_string_chars:
         raise RequestError("stop", f"a stop string has {longest} characters; this server takes at most "
                            f"{limits.max_stop_string_chars}", "invalid_value")
+    grammar = params.grammar
+    if grammar is not None and grammar.num_bytes > limits.max_schema_bytes:
+        raise RequestError(grammar.param, f"the JSON schemas of this request take {grammar.num_bytes} bytes; this "
+                           f"server takes at most {limits.max_schema_bytes}", "invalid_value")
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Every logit_bias key is a token id of the vocabulary."""
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise RequestError("logit_bias", f"logit_bias has token id {max(params.logit_bias)}; this model's token ids "
+                           f"are below {vocab_size}", "invalid_value")
 
 
 def check_prompt(ids: Seq[int], params: SamplingParams, max_model_len: int,

@@ -10,6 +10,9 @@ Order of processing, all batched torch ops on the logits' device:
    frequency: minus `frequency * count` of the token in the output.
 3. min_tokens: while a row has fewer outputs than min_tokens, EOS (unless ignore_eos) and its
    stop_token_ids get -inf.
+   logit_bias: each entry is added to its row's logit (one batched index_put over every row's entries).
+   Grammar: the tokens a constrained row's grammar does not allow next get -inf (the row's packed bitmask,
+   replicas/structured/bitmask.py); rows without a grammar are untouched. Logprobs stay those of step 1.
 4. Greedy rows (temperature 0): argmax of the penalised logits (first index on ties).
 5. Random rows: divide by temperature; top-k (keep logits >= the k-th largest); top-p on the
    renormalised top-k distribution (keep the smallest descending prefix whose mass reaches p);
@@ -42,6 +45,7 @@ import torch
 from torch import nn
 
 from replicas.sampling_batch import PenaltyState, SamplingBatch
+from replicas.structured.bitmask import apply_token_bitmask
 
 _MASK32 = 0xFFFFFFFF
 _SEED_SALT = 0x5BD1E995
@@ -124,6 +128,10 @@ class Sampler(nn.Module):
             logits = apply_penalties(logits, batch.penalties)
         if batch.stop_mask is not None:
             logits = logits.masked_fill(batch.stop_mask, float("-inf"))
+        if batch.logit_bias is not None:
+            logits = logits.index_put(batch.logit_bias.index, batch.logit_bias.values, accumulate=True)
+        if batch.token_mask is not None:
+            logits = apply_token_bitmask(logits, batch.token_mask)
 
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)

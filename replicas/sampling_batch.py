@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from replicas.sampling_params import SamplingParams
+from replicas.structured.bitmask import TokenMask
 from replicas.transfer import to_device
 
 _MASK64 = (1 << 64) - 1
@@ -27,6 +28,13 @@ class PenaltyState:
     frequency: torch.Tensor         # subtracted per occurrence in the output
     output_counts: torch.Tensor     # float32 [B, V]: occurrences of each token in the output so far
     seen: torch.Tensor              # bool [B, V]: token is in the prompt or the output
+
+
+@dataclass
+class LogitBias:
+    """The rows' logit_bias entries, flattened: logits[index[0][e], index[1][e]] += values[e]."""
+    index: tuple[torch.Tensor, torch.Tensor]    # int64 [E] rows, int64 [E] token ids
+    values: torch.Tensor                        # float32 [E]
 
 
 @dataclass
@@ -52,11 +60,14 @@ class SamplingBatch:
     penalties: Optional[PenaltyState]
     stop_mask: Optional[torch.Tensor]   # bool [B, V]: EOS / stop ids of rows still short of min_tokens
     num_logprobs: Optional[int]     # K = max requested logprobs; None when no row asked
+    logit_bias: Optional[LogitBias] = None
+    token_mask: Optional[TokenMask] = None      # the grammar bitmask of the rows that follow a grammar
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], positions: list[int],
               output_token_ids: Sequence[Sequence[int]], prompt_token_ids: Sequence[Sequence[int]],
-              eos_token_ids: tuple[int, ...], vocab_size: int, device) -> "SamplingBatch":
+              eos_token_ids: tuple[int, ...], vocab_size: int, device,
+              token_mask: Optional[TokenMask] = None) -> "SamplingBatch":
         n = len(params)
         if not (len(seeds) == len(positions) == n):
             raise ValueError(f"params, seeds and positions must have one entry per row, got "
@@ -93,6 +104,8 @@ class SamplingBatch:
             penalties=_build_penalties(params, output_token_ids, prompt_token_ids, vocab_size, device),
             stop_mask=_build_stop_mask(params, output_token_ids, eos_token_ids, vocab_size, device),
             num_logprobs=max(requested) if requested else None,
+            logit_bias=_build_logit_bias(params, device),
+            token_mask=token_mask,
         )
 
 
@@ -143,6 +156,19 @@ def _build_penalties(params, output_token_ids, prompt_token_ids, vocab_size, dev
         output_counts=counts,
         seen=seen,
     )
+
+
+def _build_logit_bias(params: list[SamplingParams], device) -> Optional[LogitBias]:
+    """The entries of the rows with a logit_bias (its token ids were checked against the vocabulary at admission)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return None
+    biases = [params[i].logit_bias for i in rows]
+    index = np.stack([np.repeat(np.asarray(rows, dtype=np.int64), [len(b) for b in biases]),
+                      np.concatenate([np.fromiter(b.keys(), np.int64, len(b)) for b in biases])])
+    values = np.concatenate([np.fromiter(b.values(), np.float32, len(b)) for b in biases])
+    index = to_device(index, device)
+    return LogitBias((index[0], index[1]), to_device(values, device))
 
 
 def _build_stop_mask(params, output_token_ids, eos_token_ids, vocab_size, device) -> Optional[torch.Tensor]:

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
 from typing import Optional, Sequence
 
+from replicas.structured.spec import GrammarSpec
+
 GREEDY_TEMPERATURE = 1e-5    # a lower temperature samples the argmax anyway
+MAX_LOGIT_BIAS = 300         # entries of logit_bias (OpenAI's bound)
 
 
 class SamplingParamsError(ValueError):
@@ -36,6 +40,8 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     detokenize: bool = True           # False: token ids only (benchmarks); stop strings need text
+    grammar: Optional[GrammarSpec] = None         # the output must match it (docs/structured_outputs.md)
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -76,6 +82,31 @@ class SamplingParams:
              f"prompt_logprobs must be an integer in [0, 20], got {pl}")
         need(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
         need(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
+        self._validate_constraints(need)
+
+    def _validate_constraints(self, need) -> None:
+        g = self.grammar
+        if g is not None:
+            need(isinstance(g, GrammarSpec), "response_format", "grammar must be a GrammarSpec")
+            need(self.min_tokens == 0, "min_tokens", "min_tokens cannot be combined with response_format or forced "
+                 "tool calls: the grammar decides where the output may end")
+            need(not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with response_format or forced "
+                 "tool calls: the grammar decides where the output may end")
+        bias = self.logit_bias
+        if bias is None:
+            return
+        need(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS, "logit_bias",
+             f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        need(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in bias), "logit_bias",
+             "logit_bias keys must be token ids (non-negative integers)")
+        need(all(isinstance(v, Real) and not isinstance(v, bool) and -100.0 <= v <= 100.0 for v in bias.values()),
+             "logit_bias", "logit_bias values must be numbers in [-100, 100]")
+
+    @property
+    def constrained(self) -> bool:
+        """The logits are processed beyond plain sampling's (a grammar or logit_bias): such requests do not
+        speculate (docs/structured_outputs.md)."""
+        return self.grammar is not None or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,8 @@
 
 A sequence asks for `num_tokens - num_computed_tokens` tokens (capped by the budget): a decode
 asks for one, a prefill for a chunk, a recompute after preemption for everything. Preemption is
-by recompute, newest first, and a step that preempted admits nobody new.
+by recompute, newest first, and a step that preempted admits nobody new. A sequence whose logits are processed
+beyond plain sampling's (a grammar or logit_bias) decodes plainly even when the others draft.
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.spec_budget = 0          # draft nodes per decoding sequence this step (set by the engine)
+        self.num_constrained_plain = 0    # decode rows of constrained sequences that would have drafted
 
     def set_budget(self, max_num_batched_tokens: int) -> None:
         """Takes effect at the next step."""
@@ -146,6 +148,9 @@ class Scheduler:
         d = self.spec_budget
         if (d == 0 or seq.num_uncomputed_tokens != 1 or seq.num_output_tokens < 1 or 1 + d > budget
                 or seq.num_tokens + d > self.max_model_len or not self.block_manager.can_allocate(seq, 1 + d)):
+            return 0
+        if seq.params.constrained:
+            self.num_constrained_plain += 1
             return 0
         return d
 

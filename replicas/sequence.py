@@ -46,6 +46,7 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[object] = None
         self.num_preemptions = 0
+        self.grammar = None                  # replicas.structured.guided.GrammarState when params.grammar is set
 
     @property
     def num_tokens(self) -> int:

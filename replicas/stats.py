@@ -32,7 +32,8 @@ class EngineStats:
     # counters (monotonic)
     num_steps: int = 0
     prefill_steps: int = 0                 # steps with a prompt chunk (more than decode/verify tokens)
-    prompt_tokens: int = 0                 # prompt tokens of requests that reached their first token (cache hits included)
+    prompt_tokens: int = 0                 # prompt tokens of requests that reached their first token (cache hits
+                                           # included)
     generation_tokens: int = 0
     prefix_cache_queries: int = 0          # prompt tokens looked up
     prefix_cache_hits: int = 0             # prompt tokens served from cache
@@ -59,6 +60,15 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_by_position: list[int] = field(default_factory=list)
+    spec_constrained_plain: int = 0        # decode rows of constrained requests that would have drafted
+    # structured outputs (docs/structured_outputs.md)
+    constrained_requests: dict[str, int] = field(default_factory=dict)   # by kind: json_schema, json_object, tool,
+                                                                         # logit_bias (admitted requests)
+    grammar_compiles: int = 0              # grammar compiles finished (cache misses)
+    grammar_cache_hits: int = 0
+    grammar_compile_latencies: list[float] = field(default_factory=list)    # seconds, the newest samples (bounded);
+    grammar_mask_steps: int = 0                                             # new ones = the totals' increase
+    grammar_mask_latencies: list[float] = field(default_factory=list)       # host bitmask fill of one step
     # entries of the per-request maps, by map (the core's, then the client's): all 0 once idle
     bookkeeping: dict[str, int] = field(default_factory=dict)
 

@@ -70,6 +70,13 @@ class SyntheticEngine:
         s.spec_accepted_tokens += 5
         s.spec_accepted_by_position = [p + d for p, d in zip(s.spec_accepted_by_position or [0, 0, 0], (2, 2, 1))]
         s.lend_latencies, s.reclaim_latencies = [0.002 + 0.001 * (i % 3)], [0.03]
+        s.spec_constrained_plain += 3
+        s.constrained_requests = {"json_schema": i, "tool": i // 2}
+        s.grammar_cache_hits += 1
+        s.grammar_compiles += 1
+        s.grammar_compile_latencies = [0.01 * (1 + i % 3)]
+        s.grammar_mask_steps += 2
+        s.grammar_mask_latencies = [1e-4, 3e-4]
         t0 = float(i)
         reason = "stop" if i % 2 else "length"
         return s, [RequestTimings(f"r{i}", t0, t0 + 0.05, t0 + 0.2, t0 + 1.5, 11, GEN_PER_STEP, reason,
@@ -78,7 +85,7 @@ class SyntheticEngine:
     def idle(self) -> tuple[EngineStats, list[RequestTimings]]:
         s = self.stats
         s.num_running = s.num_waiting = s.kv_blocks_used = s.reserve_blocks_used = s.reserve_lent_bytes = 0
-        s.lend_latencies = s.reclaim_latencies = []
+        s.lend_latencies = s.reclaim_latencies = s.grammar_compile_latencies = s.grammar_mask_latencies = []
         return s, []
 
 
@@ -266,6 +273,9 @@ DECODE_PROMPTS = tuple(f"{word}: " + " ".join(["ha"] * 10) for word in ("one", "
 DECODE_TOKENS = 72              # " ha" over and over: the echo drafter's proposals are accepted
 LONG_PROMPT = "Summarize: " + " ".join(f"item {i}," for i in range(18))    # ~80 tokens
 LONG_PROMPT_TOKENS = 8
+# Afterwards, two requests with one schema (a compile, then a cache hit): constrained, they decode plainly.
+STRUCTURED = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}}}
 SPILLED_BLOCKS = 3              # live reserve blocks before the long prompt: one sequence preempted, two migrated
 LOAD_TIMEOUT_S = 300
 
@@ -380,9 +390,13 @@ def event_load(openai, base_url: str) -> int:
             time.sleep(0.2)
         long_prompt = pool.submit(complete, LONG_PROMPT, LONG_PROMPT_TOKENS)
         received = sum(f.result() for f in [*decodes, long_prompt])
+    for _ in range(2):
+        received += client.completions.create(model=model, prompt="A number:", max_tokens=24, temperature=0,
+                                              extra_body={"response_format": STRUCTURED}).usage.completion_tokens
     stats = replica_stats(base_url)[0]["stats"]
     happened = {k: stats[k] for k in ("spec_accepted_tokens", "preemptions", "reclaim_total", "blocks_migrated",
-                                      "elastic_preemptions")}
+                                      "elastic_preemptions", "spec_constrained_plain", "grammar_cache_hits",
+                                      "grammar_compiles", "grammar_mask_steps")}
     assert all(happened.values()), f"the events server's load missed an event: {happened}"
     return received
 

@@ -30,7 +30,8 @@ EXPECTED_FAMILIES = {
     "tidal:elastic_preemptions_total", "tidal:spec_decode_num_drafts_total",
     "tidal:spec_decode_num_draft_tokens_total", "tidal:spec_decode_num_accepted_tokens_total",
     "tidal:spec_decode_num_accepted_tokens_per_pos_total", "tidal:controller_decisions_total",
-    "tidal:controller_setting",
+    "tidal:controller_setting", "tidal:spec_decode_constrained_plain_total", "tidal:constrained_requests_total",
+    "tidal:grammar_cache_hits_total", "tidal:grammar_compile_seconds", "tidal:grammar_mask_seconds",
 }
 
 
@@ -75,6 +76,7 @@ def test_table_names_and_labels():
     assert METRICS["controller_decisions"].extra_labels == ("knob", "reason")
     assert METRICS["controller_setting"].extra_labels == ("knob",)
     assert METRICS["elastic_mode"].extra_labels == ("mode",)
+    assert METRICS["constrained_requests"].extra_labels == ("kind",)
     assert METRICS["time_to_first_token_seconds"].buckets[:3] == (0.001, 0.005, 0.01)   # vLLM's
 
 
@@ -116,6 +118,23 @@ def test_accepted_per_position_grows_with_new_positions():
     rec.record(EngineStats(spec_accepted_by_position=[5, 1, 2]))
     incs = [(v, lab["position"]) for v, lab in log.of("inc", "spec_decode_num_accepted_tokens_per_pos")]
     assert incs == [(3, "0"), (1, "1"), (2, "0"), (2, "2")]
+
+
+def test_constrained_requests_by_kind_and_grammar_latencies():
+    log = CallLog()
+    rec = StatsRecorder(log, "m", "r0", 0)
+    rec.record(EngineStats(constrained_requests={"json_schema": 2}, grammar_compiles=1, grammar_cache_hits=1,
+                           grammar_compile_latencies=[0.02], grammar_mask_steps=2,
+                           grammar_mask_latencies=[1e-4, 2e-4], spec_constrained_plain=3))
+    rec.record(EngineStats(constrained_requests={"json_schema": 2, "tool": 1}, grammar_compiles=1,
+                           grammar_cache_hits=2, grammar_compile_latencies=[0.02], grammar_mask_steps=3,
+                           grammar_mask_latencies=[1e-4, 2e-4, 3e-4], spec_constrained_plain=3))
+    kinds = [(v, lab["kind"]) for v, lab in log.of("inc", "constrained_requests")]
+    assert kinds == [(2, "json_schema"), (1, "tool")]
+    assert [v for v, _ in log.of("inc", "grammar_cache_hits")] == [1, 1]
+    assert [v for v, _ in log.of("inc", "spec_decode_constrained_plain")] == [3]
+    assert [v for v, _ in log.of("observe", "grammar_compile_seconds")] == [[0.02]]
+    assert [v for v, _ in log.of("observe", "grammar_mask_seconds")] == [[1e-4, 2e-4], [3e-4]]
 
 
 def test_gauges_and_elastic_mode_switch():

@@ -16,6 +16,15 @@ MODEL = "SmolLM2-135M-Instruct"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+DEEP = {"type": "object", "properties": {"a": {}}}
+for _ in range(20):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
 
 # (endpoint, body, status, param, code); bodies are dicts, or raw bytes for broken JSON.
 CASES = {
@@ -51,7 +60,47 @@ CASES = {
                                      "context_length_exceeded"),
     "max_tokens past the context": (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400,
                                     "max_tokens", "context_length_exceeded"),
-    "tools": (CHAT, {"model": MODEL, "messages": USER, "tools": [{"type": "function"}]}, 400, "tools", None),
+    "tool without a function": (CHAT, {"model": MODEL, "messages": USER, "tools": [{"type": "function"}]}, 422,
+                                "tools[0].function", None),
+    "tool of another type": (CHAT, {"model": MODEL, "messages": USER, "tools": [TOOL, {**TOOL, "type": "retrieval"}]},
+                             400, "tools[1].type", "invalid_value"),
+    "tool name with a space": (CHAT, {"model": MODEL, "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "get weather"}}]}, 400, "tools[0].function.name", "invalid_value"),
+    "tool parameters not a schema": (CHAT, {"model": MODEL, "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, 400,
+        "tools[0].function.parameters", "invalid_value"),
+    "too many tools": (CHAT, {"model": MODEL, "messages": USER, "tools": [
+        {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, 400, "tools", "invalid_value"),
+    "tool_choice naming another function": (CHAT, {"model": MODEL, "messages": USER, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice", "invalid_value"),
+    "tool_choice without tools": (CHAT, {"model": MODEL, "messages": USER, "tool_choice": "required"}, 400,
+                                  "tool_choice", "invalid_value"),
+    "tool result without its call id": (CHAT, {"model": MODEL, "messages": USER + [
+        {"role": "tool", "content": "12:00"}]}, 400, "messages[1].tool_call_id", "invalid_value"),
+    "response_format with forced tools": (CHAT, {"model": MODEL, "messages": USER, "tools": [TOOL],
+                                                 "tool_choice": "required", "response_format": {"type": "json_object"}},
+                                          400, "response_format", "invalid_value"),
+    "response_format of another type": (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "xml"}},
+                                        400, "response_format", "unsupported_parameter"),
+    "json_schema without a schema": (COMPLETIONS, {"model": MODEL, "prompt": "a", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format", "invalid_value"),
+    "invalid json_schema": (CHAT, {"model": MODEL, "messages": USER, "response_format": json_schema(
+        {"type": "object", "properties": {"a": {"type": "strng"}}})}, 400, "response_format", "invalid_value"),
+    "json_schema nested too deep": (CHAT, {"model": MODEL, "messages": USER, "response_format": json_schema(
+        DEEP)}, 400, "response_format", "invalid_value"),
+    "json_schema the grammar cannot enforce": (COMPLETIONS, {"model": MODEL, "prompt": "a", "response_format":
+                                                             json_schema({"type": "array", "uniqueItems": True})},
+                                               400, "response_format", "invalid_value"),
+    "json_schema with min_tokens": (CHAT, {"model": MODEL, "messages": USER, "min_tokens": 2,
+                                           "response_format": {"type": "json_object"}}, 400, "min_tokens", None),
+    "logit_bias key not a token id": (CHAT, {"model": MODEL, "messages": USER, "logit_bias": {"the": 5}}, 400,
+                                      "logit_bias", "invalid_value"),
+    "logit_bias beyond the vocabulary": (COMPLETIONS, {"model": MODEL, "prompt": "a", "logit_bias": {"49152": 5}},
+                                         400, "logit_bias", "invalid_value"),
+    "logit_bias out of range": (COMPLETIONS, {"model": MODEL, "prompt": "a", "logit_bias": {"5": 101}}, 400,
+                                "logit_bias", None),
+    "logit_bias too long": (CHAT, {"model": MODEL, "messages": USER, "logit_bias": {str(i): 1 for i in range(301)}},
+                            400, "logit_bias", "invalid_value"),
     "body too large": (COMPLETIONS, {"model": MODEL, "prompt": "x" * (9 << 20)}, 413, None, "request_too_large"),
 }
 
@@ -157,6 +206,13 @@ class _ScriptedReplica:
 
     def engine_problem(self):
         return None
+
+    def tool_support(self):
+        from cluster.tool_calls import HERMES, ToolSupport
+        return ToolSupport(HERMES, native=False)
+
+    def max_schema_bytes(self):
+        return 1 << 16
 
     async def generate(self, job):
         from cluster.errors import engine_unavailable

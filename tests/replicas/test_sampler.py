@@ -1,4 +1,5 @@
-"""The batched sampler: greedy, seeded reproducibility, distributions, penalties, min_tokens, logprobs."""
+"""The batched sampler: greedy, seeded reproducibility, distributions, penalties, min_tokens, logprobs, logit_bias
+and grammar bitmasks."""
 from __future__ import annotations
 
 import math
@@ -10,19 +11,21 @@ import torch
 from replicas.sampler import Sampler, apply_penalties, counter_uniforms, mix32, row_keys, vocab_codes
 from replicas.sampling_batch import SamplingBatch
 from replicas.sampling_params import SamplingParams
+from replicas.structured.bitmask import TokenMask, allowed_tokens, apply_token_bitmask, pack_allowed
 
 EOS = 2
 M32 = 0xFFFFFFFF
 
 
-def build(params, seeds=None, positions=None, outputs=None, prompts=None, vocab=8, eos=(EOS,), device="cpu"):
+def build(params, seeds=None, positions=None, outputs=None, prompts=None, vocab=8, eos=(EOS,), device="cpu",
+          token_mask=None):
     n = len(params)
     return SamplingBatch.build(
         params, seeds if seeds is not None else [1000 + i for i in range(n)],
         positions if positions is not None else [5] * n,
         outputs if outputs is not None else [[] for _ in range(n)],
         prompts if prompts is not None else [[] for _ in range(n)],
-        eos, vocab, device)
+        eos, vocab, device, token_mask=token_mask)
 
 
 # ---------------------------------------------------------------- the counter-based hash
@@ -323,6 +326,63 @@ def test_extreme_values_in_range_sample_a_valid_token(extreme):
                    [SamplingParams(**extreme), SamplingParams(temperature=1.0, top_p=0.5)]):
         tokens = Sampler()(logits[:len(params)], build(params, outputs=[[1, 2]] * len(params))).token_ids
         assert ((tokens >= 0) & (tokens < 8)).all()
+
+
+def grammar_case(device="cpu"):
+    """Six rows (greedy and random) over a vocabulary of 70 (not a multiple of 32); rows 1 and 4 follow a grammar."""
+    V = 70
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(8)) * 3
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.0, 1.0, 0.7, 1.0, 0.0)]
+    allowed = torch.zeros(2, V, dtype=torch.bool)
+    allowed[0, [3, 40, 69]] = True
+    allowed[1, 33:38] = True
+    mask = TokenMask(torch.tensor([1, 4], device=device), pack_allowed(allowed).to(device))
+    return logits.to(device), params, allowed, mask
+
+
+def test_grammar_bitmask_masks_its_rows_and_leaves_the_others_alone():
+    logits, params, allowed, mask = grammar_case()
+    assert torch.equal(allowed_tokens(mask.bitmask, 70), allowed)
+    masked = apply_token_bitmask(logits, mask)
+    free = [0, 2, 3, 5]
+    assert torch.equal(masked[free], logits[free])
+    for row, want in zip((1, 4), allowed):
+        assert torch.equal(masked[row][want], logits[row][want])
+        assert torch.isneginf(masked[row][~want]).all()
+    for positions in ([5] * 6, [9] * 6, [123] * 6):
+        plain = Sampler()(logits, build(params, positions=positions, vocab=70)).token_ids
+        guided = Sampler()(logits, build(params, positions=positions, vocab=70, token_mask=mask)).token_ids
+        assert torch.equal(guided[free], plain[free])
+        assert all(allowed[i, guided[row]] for i, row in enumerate((1, 4)))
+    assert guided[1] == max((3, 40, 69), key=lambda t: logits[1, t])     # greedy: the best allowed token
+
+
+def test_logit_bias_is_added_to_its_rows_only():
+    V = 12
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(9))
+    top = logits.argmax(-1)
+    params = [SamplingParams(temperature=0.0, logit_bias={int(top[0]): -100.0}),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={7: 100.0, int(top[2]): -0.0}),
+              SamplingParams(temperature=1.0, logit_bias={t: -100.0 for t in range(V) if t != 5})]
+    batch = build(params, vocab=V)
+    tokens = Sampler()(logits, batch).token_ids.tolist()
+    assert tokens[0] != top[0] and tokens[0] == logits[0].topk(2).indices[1]
+    assert tokens[1] == top[1] and tokens[2] == 7 and tokens[3] == 5
+    assert batch.logit_bias.index[0].tolist() == [0, 2, 2] + [3] * (V - 1)
+    assert build([SamplingParams(temperature=0.0)] * 2, vocab=V).logit_bias is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grammar_bitmask_and_logit_bias_equal_cpu():
+    cpu_logits, params, _, cpu_mask = grammar_case()
+    gpu_logits, _, _, gpu_mask = grammar_case("cuda")
+    params = [SamplingParams(temperature=p.temperature, logit_bias={3: -5.0, 60: 2.5}) for p in params]
+    cpu = Sampler()(cpu_logits, build(params, vocab=70, token_mask=cpu_mask)).token_ids
+    gpu = Sampler()(gpu_logits, build(params, vocab=70, device="cuda", token_mask=gpu_mask)).token_ids
+    assert torch.equal(cpu, gpu.cpu())
+    assert torch.equal(apply_token_bitmask(cpu_logits, cpu_mask), apply_token_bitmask(gpu_logits, gpu_mask).cpu())
 
 
 @pytest.mark.gpu
