@@ -159,7 +159,8 @@ class _PromptStreams:
 
 class OpenAIRoutes:
     """The routes and their HTTP handling. The subclass owns the engine and provides `generate(job)` (an async
-    iterator of one job's frames; it refuses work beyond its queue with a 503 `StreamFailure`, and raises an
+    iterator of one job's frames; it refuses work beyond its queue with a 503 `StreamFailure` carrying a
+    Retry-After, and raises an
     `OpenAIError` for a failure after the first frame), `model_identity()` -> (name, max_model_len),
     `engine_problem()` -> None or why the engine cannot serve, and `async replicas_describe()` (every replica's
     `describe()`)."""
@@ -273,7 +274,8 @@ class OpenAIRoutes:
         for i, first in enumerate(firsts):
             if isinstance(first, StreamFailure):
                 await group.close()
-                raise OpenAIError(first.status, first.message, first.param, first.code)
+                raise OpenAIError(first.status, first.message, first.param, first.code,
+                                  retry_after_s=first.retry_after_s)
             assert isinstance(first, StreamStart), f"unexpected first frame {type(first).__name__}"
             builder.start(i, first)
         return group.streams, firsts

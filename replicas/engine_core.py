@@ -145,7 +145,9 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         vocab = min(engine.model_config.vocab_size, engine.tokenizer.vocab_size)
         core = EngineCore(engine, inputs, outputs, heartbeat)
         core.beat()
-        outputs.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, vocab, engine.elastic is not None)))
+        bm = engine.block_manager
+        outputs.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, vocab, bm.num_base * bm.block_size,
+                                      engine.elastic is not None)))
         core.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("the serving process went away; the engine core stops")

@@ -30,7 +30,8 @@ EXPECTED_FAMILIES = {
     "tidal:elastic_preemptions_total", "tidal:spec_decode_num_drafts_total",
     "tidal:spec_decode_num_draft_tokens_total", "tidal:spec_decode_num_accepted_tokens_total",
     "tidal:spec_decode_num_accepted_tokens_per_pos_total", "tidal:controller_decisions_total",
-    "tidal:controller_setting",
+    "tidal:controller_setting", "tidal:num_requests_queued", "tidal:num_tokens_queued", "tidal:max_queued_tokens",
+    "tidal:num_requests_refused_total",
 }
 
 
@@ -75,6 +76,7 @@ def test_table_names_and_labels():
     assert METRICS["controller_decisions"].extra_labels == ("knob", "reason")
     assert METRICS["controller_setting"].extra_labels == ("knob",)
     assert METRICS["elastic_mode"].extra_labels == ("mode",)
+    assert METRICS["num_requests_refused"].extra_labels == ("reason",)
     assert METRICS["time_to_first_token_seconds"].buckets[:3] == (0.001, 0.005, 0.01)   # vLLM's
 
 
@@ -177,6 +179,18 @@ def test_controller_decisions():
     assert registry.get_sample_value("tidal:controller_setting", {**LABELS, "knob": "elastic_lend"}) == 1
 
 
+def test_admission_gauges_and_refusals_by_reason():
+    rec, registry = registry_recorder()
+    rec.record_admission(3, 900, 4096, {"tokens": 0, "requests": 0})
+    rec.record_admission(5, 4000, 4096, {"tokens": 2, "requests": 0})
+    rec.record_admission(0, 0, 4096, {"tokens": 7, "requests": 1})
+    value = lambda family, **extra: registry.get_sample_value(family, {**LABELS, **extra})  # noqa: E731
+    assert (value("tidal:num_requests_queued"), value("tidal:num_tokens_queued")) == (0, 0)
+    assert value("tidal:max_queued_tokens") == 4096
+    assert value("tidal:num_requests_refused_total", reason="tokens") == 7
+    assert value("tidal:num_requests_refused_total", reason="requests") == 1
+
+
 def test_replica_metrics_records_through_ray_without_a_cluster():
     # Ray validates tag keys on every record (even with no cluster connected): a label the table
     # does not declare, or one it declares but the recorder does not pass, raises here.
@@ -186,6 +200,7 @@ def test_replica_metrics_records_through_ray_without_a_cluster():
     stats.lend_latencies = [0.01]
     m.record(stats, [timing("a")])
     m.record_controller_decision("max_num_batched_tokens", 4096, "kv_pressure")
+    m.record_admission(2, 300, 4096, {"tokens": 1, "requests": 1})
 
 
 def test_ray_relabel_rule_restores_tidal_names():

@@ -22,9 +22,11 @@ from tests.support.checkpoints import make_tiny_llama
 from tests.support import REPO
 from tests.support.serve import processes_titled, wait_serving
 
+from cluster.admission import MAX_RETRY_AFTER_S, RETRY_WINDOW_S, Admission, Refused, request_tokens
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.replica import EngineReplica
 from replicas import LLM, EngineConfig, SamplingParams
+from replicas.async_engine import EngineStepError
 from replicas.loaders import load_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -341,12 +343,95 @@ def test_replica_reconfigure_stats_abort_and_health(replica):
 
 
 def test_replica_refuses_beyond_its_queue_with_an_overload_frame(replica):
-    """The replica (the HTTP ingress itself) answers work beyond queue_limit with a 503 frame, and nothing runs."""
-    limit, replica.queue_limit = replica.queue_limit, replica._streams
+    """The replica (the HTTP ingress itself) answers work beyond its request bound or its token limit with a 503
+    frame carrying a Retry-After, nothing runs, and every ticket is released."""
+    admission = replica.admission
+    limits = admission.request_limit, admission.token_limit
     try:
+        admission.request_limit = 1 + admission.requests
+        held = admission.enter()                     # the replica is full of requests
         frames = run_job(replica, GenerationJob("full-1", SamplingParams(max_tokens=4), prompt=[5, 6]))
+        held.charge(10)
+        admission.request_limit, admission.token_limit = limits[0], 12
+        too_many_tokens = run_job(replica, GenerationJob("full-2", SamplingParams(max_tokens=4), prompt=[5, 6]))
+        held.release()
     finally:
-        replica.queue_limit = limit
-    assert len(frames) == 1 and isinstance(frames[0], StreamFailure)
-    assert (frames[0].status, frames[0].code) == (503, "overloaded")
-    assert replica.engine.stats().num_running == 0 and replica._streams == 0
+        admission.request_limit, admission.token_limit = limits
+    for frame, reason in ((frames, "requests"), (too_many_tokens, "tokens")):
+        assert len(frame) == 1 and isinstance(frame[0], StreamFailure), frame
+        assert (frame[0].status, frame[0].code) == (503, "overloaded") and frame[0].retry_after_s >= 1
+        assert admission.refused[reason] >= 1
+    assert replica.engine.stats().num_running == 0
+    assert (admission.requests, admission.tokens) == (0, 0)
+    assert isinstance(run_job(replica, GenerationJob("full-3", SamplingParams(max_tokens=2), prompt=[5, 6]))[0],
+                      StreamStart)
+    assert (admission.requests, admission.tokens) == (0, 0)
+
+
+def test_replica_releases_admission_on_finish_disconnect_and_engine_failure(replica):
+    """A stream's charge (prompt + max_tokens) is held while it runs and released when it finishes, when its
+    client goes away (the stream is closed), and when the engine fails it."""
+    admission = replica.admission
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+
+    async def hold_then(end: str) -> int:
+        stream = replica.generate(GenerationJob(f"held-{end}", params, prompt=[5, 6, 7]))
+        first = await stream.__anext__()
+        assert isinstance(first, StreamStart)
+        charged = admission.tokens
+        if end == "disconnect":
+            await stream.aclose()
+        else:
+            replica.engine.fail_streams(EngineStepError("injected"))
+            with pytest.raises(Exception):
+                async for _ in stream:
+                    pass
+        return charged
+
+    for end in ("disconnect", "engine failure"):
+        assert asyncio.run(hold_then(end)) == 3 + 300
+        assert (admission.requests, admission.tokens) == (0, 0), end
+    run_job(replica, GenerationJob("held-finish", SamplingParams(max_tokens=2), prompt=[5, 6]))
+    assert (admission.requests, admission.tokens) == (0, 0)
+
+
+def test_admission_accounting():
+    """Accept, charge, refuse (tokens, then the request bound) with a Retry-After from the release rate, release
+    once per ticket; one request larger than the limit is admitted into an empty replica."""
+    now = [100.0]
+    a = Admission(token_limit=100, request_limit=3, clock=lambda: now[0])
+    t1, t2 = a.enter(), a.enter()
+    t1.charge(60)
+    with pytest.raises(Refused) as refused:
+        t2.charge(50)                                 # 60 + 50 > 100
+    assert refused.value.reason == "tokens" and refused.value.retry_after_s == RETRY_WINDOW_S   # nothing released yet
+    t2.release()                                      # a refused ticket still gives its place back
+    assert (a.requests, a.tokens, a.refused) == (1, 60, {"tokens": 1, "requests": 0})
+    now[0] += 1
+    t3 = a.enter()
+    t3.charge(40)
+    t1.release()                                      # 60 tokens released in the window: 6 tokens/s
+    t4 = a.enter()
+    with pytest.raises(Refused) as refused:
+        t4.charge(90)                                 # 40 + 90 - 100 = 30 over: 5 s at 6 tokens/s
+    assert refused.value.retry_after_s == 5
+    a.request_limit = 2
+    with pytest.raises(Refused) as refused:
+        a.enter()
+    assert refused.value.reason == "requests" and 1 <= refused.value.retry_after_s <= MAX_RETRY_AFTER_S
+    assert a.refused == {"tokens": 2, "requests": 1}
+    now[0] += RETRY_WINDOW_S + 1                      # the releases left the window
+    with pytest.raises(Refused) as refused:
+        a.enter()
+    assert refused.value.retry_after_s == RETRY_WINDOW_S
+    t3.release()
+    t4.release()
+    assert (a.requests, a.tokens) == (0, 0)
+    big = a.enter()
+    big.charge(500)                                   # alone: admitted though it exceeds the limit
+    big.release()
+    big.release()                                     # idempotent
+    snap = a.snapshot()
+    assert (snap.requests, snap.tokens, snap.token_limit, snap.refused) == (0, 0, 100, {"tokens": 2, "requests": 2})
+    assert request_tokens(10, SamplingParams(n=2, max_tokens=50), max_model_len=2048) == 110
+    assert request_tokens(10, SamplingParams(max_tokens=None), max_model_len=2048) == 2048
