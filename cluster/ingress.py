@@ -14,7 +14,6 @@ and annotations stay eager (no `from __future__ import annotations`) because Fas
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -28,7 +27,7 @@ from cluster.errors import (ErrorResponse, OpenAIError, from_validation_error, i
                             model_not_found, public_error)
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerationJob, StreamFailure, StreamStart
 from cluster.responses import ChatCompletionResponse, CompletionResponse, HealthStatus, ModelCard, ModelList, \
-    ResponseBuilder
+    ResponseBuilder, sse_event
 from replicas.sampling_params import SamplingParams, SamplingParamsError
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -95,10 +94,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise _too_large(limit)
     return bytes(body)
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 class _PromptStreams:
@@ -287,25 +282,23 @@ class OpenAIRoutes:
         ends the stream with one error event and [DONE]."""
         group = _PromptStreams(streams)
         done = False
-        events = [_sse(c) for c in builder.opening_chunks()]
+        events = builder.opening_events()
         try:
             for i, first in enumerate(firsts):
-                events += [_sse(c) for c in builder.add(i, first.deltas)]
+                events += builder.add_events(i, first.deltas)
             if events and not builder.finished:
-                yield "".join(events)
-                events = []
+                yield events
+                events = ""
             async for job_index, deltas in group.frames():
-                events += [_sse(c) for c in builder.add(job_index, deltas)]
+                events += builder.add_events(job_index, deltas)
                 if events and not builder.finished:
-                    yield "".join(events)
-                    events = []
+                    yield events
+                    events = ""
             done = True
-            usage = builder.usage_chunk()
-            if usage is not None:
-                events.append(_sse(usage))
+            events += builder.usage_event()
         except Exception as e:
-            events.append(_sse(public_error(e, builder.id).body()))
+            events += sse_event(public_error(e, builder.id).body())
         finally:
             if not done:
                 await group.close()
-        yield "".join(events) + "data: [DONE]\n\n"
+        yield events + "data: [DONE]\n\n"
