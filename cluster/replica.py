@@ -45,9 +45,10 @@ RECENT_S = 120.0                # how far back `describe(recent=True)` reports f
 
 def replica_engine_config(config: EngineConfig) -> EngineConfig:
     """The config a replica's engine runs: the stream-item budget (EngineConfig's stream_item_ms), when the config
-    leaves it unset, is $TIDAL_STREAM_ITEM_MS or 1 ms (replicas/envs.py). Each of n streams then reports at most
-    every (n - 1) x that, so a replica loads and sends ~1,000 items/s however many streams it serves (every item
-    is work on this process's GIL); a lone stream gets every step (0: an output per engine step)."""
+    leaves it unset, is $TIDAL_STREAM_ITEM_MS or 0.1 ms (replicas/envs.py). Each of the n streams a step touched
+    then reports at most every (n - 1) x that, so a replica loads and sends at most ~10,000 items/s however many
+    streams it serves (every item is work on this process's GIL); below that rate every stream gets every step
+    (0: an output per engine step, always)."""
     if config.serving.stream_item_ms is not None:
         return config
     return config.with_(stream_item_ms=envs.stream_item_ms())

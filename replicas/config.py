@@ -242,9 +242,9 @@ class GraphsConfig(_Checked):
 @dataclass(frozen=True)
 class ServingConfig(_Checked):
     """How the engine reports to a server streaming its outputs, how the server watches it and what it admits."""
-    stream_item_ms: Optional[float] = setting(None, "with n requests streaming, each reports at most every (n-1) "
-                                                    "x this many ms (default: 0 offline, an output per step; "
-                                                    "$TIDAL_STREAM_ITEM_MS or 1.0 in a Serve replica)",
+    stream_item_ms: Optional[float] = setting(None, "with n requests streaming in a step, each reports at most every "
+                                                    "(n-1) x this many ms (default: 0 offline, an output per step; "
+                                                    "$TIDAL_STREAM_ITEM_MS or 0.1 in a Serve replica)",
                                               minimum=0.0)
     watchdog_s: float = setting(30.0, "the engine core counts as stuck (its requests fail, health checks fail) "
                                       "after this many seconds without finishing a step or an idle wait",
