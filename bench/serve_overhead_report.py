@@ -22,16 +22,18 @@ def progress(name: str, result: dict) -> None:
           f"{loaded['seconds']:.1f}", flush=True)
 
 
-HEADER = (f"{'path':<8}{'streams':>8}{'requests':>9}{'failed':>7}{'out tok':>9}{'tok/s':>9}{'TTFT med':>9}"
-          f"{'p99':>8}{'TPOT mean':>10}{'med':>7}{'p99':>7}{'ITL med':>8}{'p90':>7}{'p99':>8}")
+HEADER = " ".join((f"{'path':<7}", *(f"{h:>9}" for h in ("streams", "requests", "failed", "out tok", "tok/s",
+                                                           "TTFT med", "p99", "TPOT mean", "med", "p99",
+                                                           "ITL med", "p90", "p99"))))
 
 
 def row(path: str, r: dict) -> str:
     """One run's line of HEADER: TTFT, TPOT and ITL (chunk gaps) in ms."""
     t, p, i = r["ttft_ms"], r["tpot_ms"], r["itl_ms"]
-    return (f"{path:<8}{r['concurrency']:>8}{r['num_requests']:>9}{r['failed']:>7}{r['output_tokens']:>9}"
-            f"{r['output_tok_s']:>9.1f}{t['median']:>9.2f}{t['p99']:>8.2f}{p['mean']:>10.2f}{p['median']:>7.2f}"
-            f"{p['p99']:>7.2f}{i['median']:>8.2f}{i['p90']:>7.2f}{i['p99']:>8.2f}")
+    counts = (r["concurrency"], r["num_requests"], r["failed"], r["output_tokens"])
+    times = (r["output_tok_s"], t["median"], t["p99"], p["mean"], p["median"], p["p99"], i["median"], i["p90"],
+             i["p99"])
+    return " ".join((f"{path:<7}", *(f"{c:>9}" for c in counts), *(f"{x:>9.2f}" for x in times)))
 
 
 def report_streaming(section: dict) -> None:
