@@ -65,7 +65,7 @@ class Admission:
         self.requests = 0
         self.tokens = 0
         self.refused = {reason: 0 for reason in REASONS}
-        self._released: deque[tuple[float, int]] = deque()       # (when, tokens) of streams ended in the window
+        self._released: deque[tuple[float, int]] = deque()       # (when, tokens) of charged streams ended lately
         self._released_tokens = 0                                   # their sum
 
     def enter(self) -> "Ticket":
@@ -94,8 +94,9 @@ class Admission:
     def _release(self, tokens: int) -> None:
         self.requests -= 1
         self.tokens -= tokens
-        self._released.append((self.clock(), tokens))
-        self._released_tokens += tokens
+        if tokens:                                  # a request that reached the engine (not one refused or failed)
+            self._released.append((self.clock(), tokens))
+            self._released_tokens += tokens
         self._window()
 
     def _window(self) -> deque[tuple[float, int]]:
