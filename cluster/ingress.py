@@ -155,10 +155,9 @@ class _PromptStreams:
 class OpenAIRoutes:
     """The routes and their HTTP handling. The subclass owns the engine and provides `generate(job)` (an async
     iterator of one job's frames; it refuses work beyond its queue with a 503 `StreamFailure` carrying a
-    Retry-After, and raises an
-    `OpenAIError` for a failure after the first frame), `model_identity()` -> (name, max_model_len),
-    `engine_problem()` -> None or why the engine cannot serve, and `async replicas_describe()` (every replica's
-    `describe()`)."""
+    Retry-After, and raises an `OpenAIError` for a failure after the first frame), `model_identity()` -> (name,
+    max_model_len), `engine_problem()` -> None or why the engine cannot serve, and `async replicas_describe()`
+    (every replica's `describe()`)."""
 
     def _init_routes(self, api_key: Optional[str], served_model_name: Optional[str], max_body_bytes: int) -> None:
         self.api_key = api_key or None
