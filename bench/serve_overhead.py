@@ -2,7 +2,7 @@
 
     python -m bench.serve_overhead [--model PATH|SHAPE] [--load-format auto|dummy] [--device cuda|cpu]
         [--num-prompts 256] [--max-tokens 128] [--concurrency 64] [--repeats 1] [--ingress auto|haproxy|proxy]
-        [--out bench/results/serve_overhead.json]
+        [--streaming] [--out bench/results/serve_overhead.json]
 
 Workload: prompts of --input-len random token ids (uniform in [100, vocab - 100), seed 0), each generating
 exactly --max-tokens tokens (temperature 0, ignore_eos). Disjoint prompt sets (warm-up, idle, loaded; new ones
@@ -28,11 +28,21 @@ Each path: the warm-up set (all at once), the idle set one request at a time (co
 set in a closed loop of --concurrency streams. Throughput = output tokens / wall time from the first send to
 the last token. process_cpu_s: this process's CPU time during a run (engine caller and client on the direct
 path, only the HTTP client on a Serve path: close to `seconds` would mean the client set the Serve figure).
+Streaming figures of every run: TPOT per request ((last token - first token) / (tokens - 1), from the client's
+clock: `tpot_ms` mean/median/p90/p99) and ITL, the gaps between a request's consecutive chunks that carry tokens,
+all requests pooled (`itl_ms`; direct: engine outputs, Serve: SSE chunks with a choice). A request that fails
+(an HTTP error, an error event, an incomplete stream) is counted in `failed`, not measured.
 The loaded run also records the engine's counters meanwhile (`engine`: tokens per step, ms per step, steps
 that ran a prefill; direct: `AsyncLLMEngine.stats()`, Serve: GET /stats): a slower path either left the engine
 fewer requests to batch or made its steps slower.
 JSON keys ending in _c64 / _64 hold the --concurrency level (64 by default; `concurrency` records it).
 Targets: added median TTFT <= 5 ms, Serve/direct output throughput >= 0.90 at 64 streams.
+--streaming: the direct engine and the front door only, --concurrency 256 by default; writes the `streaming`
+section of --out, keeping the file's other keys (`tpot_ms_c1`: mean TPOT of the one-at-a-time run through the front
+door; `p99_itl_ms_c256`, `median_itl_ms_c256`, `mean_tpot_ms_c256`: its loaded run; `throughput_ratio`: Serve
+over direct output tok/s loaded; `failed`: requests that failed on any path; the _c256 keys hold --concurrency,
+`concurrency` records it; medians over repeats, `each_repeat`). Targets: TPOT <= 1.3 ms at one stream, p99 ITL
+<= 50 ms at 256 streams, throughput ratio >= 0.90, nothing failed.
 """
 from __future__ import annotations
 
@@ -54,11 +64,12 @@ import aiohttp
 import torch
 
 from cluster.app import AppArgs, engine_config
-from cluster.benchmark.report import Summary
+from cluster.benchmark.report import Summary, request_tpot
 from cluster.local_server import LocalServer
 from cluster.replica import replica_engine_config
 from cluster.protocol import CompletionRequest
-from bench.serve_overhead_report import THROUGHPUT_TARGET, TTFT_TARGET_MS, progress, report
+from bench.serve_overhead_report import (ITL_P99_TARGET_MS, THROUGHPUT_TARGET, TPOT_TARGET_MS, TTFT_TARGET_MS,
+                                         progress, report, report_streaming)
 from cluster.serve_cmd import READY_TIMEOUT_S
 from replicas.async_engine import AsyncLLMEngine
 from replicas import envs
@@ -78,9 +89,19 @@ class Workload:
 
 @dataclass(frozen=True)
 class Stream:
-    """One finished request as the caller saw it."""
-    ttft_s: float
-    tokens: int
+    """One request as the caller saw it: `chunks` are the times (perf_counter) of the chunks that carried tokens;
+    `error` is set, and nothing measured, when it failed."""
+    start: float
+    chunks: tuple[float, ...] = ()
+    tokens: int = 0
+    error: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunks[0] - self.start
+
+
+MAX_ERRORS_KEPT = 10
 
 
 def make_workload(args: argparse.Namespace, vocab: int, seed_offset: int = 0) -> Workload:
@@ -107,7 +128,11 @@ async def closed_loop(send: Callable[[list[int]], Awaitable[Stream]], prompts: l
 
     async def worker():
         for i, prompt in pending:
-            streams[i] = await send(prompt)
+            start = time.perf_counter()
+            try:
+                streams[i] = await send(prompt)
+            except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
+                streams[i] = Stream(start, error=f"{type(e).__name__}: {e}"[:300])
 
     start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
@@ -115,10 +140,16 @@ async def closed_loop(send: Callable[[list[int]], Awaitable[Stream]], prompts: l
 
 
 def summarize(streams: list[Stream], seconds: float, cpu_seconds: float, concurrency: int) -> dict:
-    tokens = sum(s.tokens for s in streams)
-    return {"concurrency": concurrency, "num_requests": len(streams), "output_tokens": tokens, "seconds": seconds,
-            "output_tok_s": tokens / seconds, "ttft_ms": asdict(Summary.of_seconds([s.ttft_s for s in streams])),
-            "process_cpu_s": cpu_seconds, "ended_at": time.time()}
+    ok = [s for s in streams if not s.error]
+    errors = [s.error for s in streams if s.error]
+    tokens = sum(s.tokens for s in ok)
+    tpots = [request_tpot(s.chunks[-1] - s.start, s.ttft_s, s.tokens) for s in ok]
+    gaps = [b - a for s in ok for a, b in zip(s.chunks, s.chunks[1:])]
+    return {"concurrency": concurrency, "num_requests": len(streams), "failed": len(errors),
+            "errors": errors[:MAX_ERRORS_KEPT], "output_tokens": tokens, "seconds": seconds,
+            "output_tok_s": tokens / seconds, "ttft_ms": asdict(Summary.of_seconds([s.ttft_s for s in ok])),
+            "tpot_ms": asdict(Summary.of_seconds([t for t in tpots if t is not None])),
+            "itl_ms": asdict(Summary.of_seconds(gaps)), "process_cpu_s": cpu_seconds, "ended_at": time.time()}
 
 
 Counters = Callable[[], Awaitable[tuple[int, int, int]]]
@@ -145,13 +176,13 @@ async def measure_direct(engine: AsyncLLMEngine, work: Workload) -> dict:
     ids = itertools.count()
 
     async def send(prompt: list[int]) -> Stream:
-        start, first, tokens = time.perf_counter(), None, 0
+        start, chunks, tokens = time.perf_counter(), [], 0
         async for out in engine.generate(prompt, params, f"direct-{next(ids)}"):
             n = len(out.outputs[0].delta_token_ids)
-            if n and first is None:
-                first = time.perf_counter()
+            if n:
+                chunks.append(time.perf_counter())
             tokens += n
-        return Stream(first - start, tokens)
+        return Stream(start, tuple(chunks), tokens)
 
     async def counters() -> tuple[int, int, int]:
         stats = await asyncio.to_thread(engine.stats)
@@ -170,22 +201,22 @@ async def measure_serve(base_url: str, model_id: str, work: Workload) -> dict:
 
         async def send(prompt: list[int]) -> Stream:
             body = json.dumps(completion_body(model_id, prompt, work.max_tokens)).encode()
-            start, first, usage, done = time.perf_counter(), None, None, False
+            start, chunks, usage, done = time.perf_counter(), [], None, False
             async with session.post(url, data=body, headers=headers) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
                 async for line in resp.content:
-                    if first is None and b'"choices":[{' in line:
-                        first = time.perf_counter()
+                    if b'"choices":[{' in line:
+                        chunks.append(time.perf_counter())
                     elif line.startswith(b"data: [DONE]"):
                         done = True
                     elif line.startswith(b'data: {"error"'):
                         raise RuntimeError(f"error event: {line[6:306].decode(errors='replace')}")
                     elif b'"usage":' in line:
                         usage = json.loads(line[6:])["usage"]
-            if not done or first is None or usage is None:
-                raise RuntimeError(f"incomplete stream (done={done}, first token={first is not None}, usage={usage})")
-            return Stream(first - start, int(usage["completion_tokens"]))
+            if not done or not chunks or usage is None:
+                raise RuntimeError(f"incomplete stream (done={done}, chunks={len(chunks)}, usage={usage})")
+            return Stream(start, tuple(chunks), int(usage["completion_tokens"]))
 
         async def counters() -> tuple[int, int, int]:
             async with session.get(f"{base_url}/stats") as resp:
@@ -256,6 +287,40 @@ def over_repeats(serves: list[dict], directs: list[dict]) -> dict:
             "each_repeat": each}
 
 
+def streaming(serve: dict, direct: dict) -> dict:
+    """The streaming figures of one repeat: the front door's TPOT and chunk gaps, and its throughput over the direct
+    engine's, at the loaded run's concurrency."""
+    return {"failed": sum(r[level]["failed"] for r in (serve, direct) for level in ("idle", "loaded")),
+            "tpot_ms_c1": serve["idle"]["tpot_ms"]["mean"],
+            "p99_itl_ms_c256": serve["loaded"]["itl_ms"]["p99"],
+            "median_itl_ms_c256": serve["loaded"]["itl_ms"]["median"],
+            "mean_tpot_ms_c256": serve["loaded"]["tpot_ms"]["mean"],
+            "throughput_ratio": serve["loaded"]["output_tok_s"] / direct["loaded"]["output_tok_s"]}
+
+
+def streaming_over_repeats(serves: list[dict], directs: list[dict]) -> dict:
+    """`streaming` of each repeat; the headline is each figure's median, and every failure of every repeat."""
+    each = [streaming(s, d) for s, d in zip(serves, directs)]
+    out = {k: statistics.median(e[k] for e in each) for k in each[0]}
+    out["failed"] = sum(e["failed"] for e in each)
+    out["meets_targets"] = {"failed": out["failed"] == 0, "tpot_ms_c1": out["tpot_ms_c1"] <= TPOT_TARGET_MS,
+                            "p99_itl_ms_c256": out["p99_itl_ms_c256"] <= ITL_P99_TARGET_MS,
+                            "throughput_ratio": out["throughput_ratio"] >= THROUGHPUT_TARGET}
+    return {**out, "each_repeat": each}
+
+
+def write_section(path: str, key: str, section: dict) -> None:
+    """`section` as `key` of the JSON at `path`, keeping the file's other keys."""
+    doc = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = json.load(f)
+    doc[key] = section
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+
+
 def run(args: argparse.Namespace) -> dict:
     model = resolve_model(args)
     engine = AsyncLLMEngine(direct_engine_config(model, args))
@@ -276,7 +341,7 @@ def run(args: argparse.Namespace) -> dict:
             same, fresh = make_workload(args, vocab, seed_offset=2 * r), make_workload(args, vocab, 2 * r + 1)
             paths = [("direct", lambda w: measure_direct(engine, w), same),
                      ("front_door", lambda w: measure_serve(server.url, model_id, w), same)]
-            if replica_url is not None:
+            if replica_url is not None and not args.streaming:
                 paths.append(("replica", lambda w: measure_serve(replica_url, model_id, w), fresh))
             for path, measure_path, load in paths[r % len(paths):] + paths[:r % len(paths)]:
                 runs[path].append(asyncio.run(measure_path(load)))
@@ -313,16 +378,30 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests on each path")
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
-    ap.add_argument("--concurrency", type=int, default=64, help="streams in flight in the loaded run")
+    ap.add_argument("--concurrency", type=int, default=None,
+                    help="streams in flight in the loaded run (default: 64; 256 with --streaming)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every path (direct, front door, replica port; "
                                                             "the order rotates); headline = the medians of each "
                                                             "repeat's Serve/direct figures")
     ap.add_argument("--ingress", default="auto", choices=["auto", "haproxy", "proxy"],
                     help="the front door `tidal serve` puts up (auto: HAProxy when installed)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--streaming", action="store_true",
+                    help="the direct engine and the front door only; writes the `streaming` section of --out")
     ap.add_argument("--out", default="bench/results/serve_overhead.json")
     args = ap.parse_args(argv)
+    if args.concurrency is None:
+        args.concurrency = 256 if args.streaming else 64
     res = run(args)
+    if args.streaming:
+        section = {**streaming_over_repeats(res["serve_runs"], res["direct_runs"]),
+                   **{k: v for k, v in res.items() if k not in ("added_median_ttft_ms_c1", "added_median_ttft_ms_c64",
+                                                                "throughput_ratio_64", "meets_targets",
+                                                                "each_repeat", "serve", "direct")}}
+        write_section(args.out, "streaming", section)
+        print(f"wrote the streaming section of {args.out}")
+        report_streaming(section)
+        return section
     if res["serve"]["loaded"]["output_tokens"] != res["direct"]["loaded"]["output_tokens"]:
         print("warning: the two paths generated different numbers of tokens", file=sys.stderr)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -11,6 +11,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve import Application
 
+from cluster.admission import MAX_QUEUED_REQUESTS
 from cluster.controller import start_controller
 from cluster.controller_policies import POLICIES, ControllerConfig
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES
@@ -71,7 +72,8 @@ class AppArgs(BaseModel):
     api_key: Optional[str] = Field(default_factory=envs.api_key)   # Bearer key; default $TIDAL_API_KEY; None: no auth
     cpus_per_rank: float = Field(1.0, gt=0)       # CPU share of each TP rank (torch threads on CPU)
     max_ongoing_requests: Optional[int] = Field(None, ge=1)   # per replica; default: the engine's max_num_seqs
-    max_queued_requests: int = Field(256, ge=-1)  # per replica, waiting beyond max_ongoing; beyond -> 503 (-1: no cap)
+    # per replica, beyond max_ongoing: a safety bound on the request count (-1: none); beyond -> 503
+    max_queued_requests: int = Field(MAX_QUEUED_REQUESTS, ge=-1)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024)
     graceful_shutdown_timeout_s: float = Field(120.0, ge=0)   # a stopping replica's drain of in-flight requests
     request_timeout_s: float = Field(DEFAULT_REQUEST_TIMEOUT_S, gt=0)   # a request still running then: aborted, 504
@@ -123,18 +125,19 @@ def build_app(args: AppArgs) -> Application:
     scale = ({"autoscaling_config": args.autoscaling_config} if args.autoscaling_config
              else {"num_replicas": args.num_replicas})
     ongoing = args.max_ongoing_requests or config.scheduling.max_num_seqs
-    queue_limit = ongoing + args.max_queued_requests if args.max_queued_requests >= 0 else UNBOUNDED
-    # The replica refuses what is beyond its queue itself, as an OpenAI 503; Serve's own limits sit above it
-    # (room for /health, /v1/models, /stats), so its proxy never answers with a bare-text refusal.
+    request_limit = ongoing + args.max_queued_requests if args.max_queued_requests >= 0 else UNBOUNDED
+    # The replica refuses what is beyond its queue itself (by tokens, then by this count), as an OpenAI 503; Serve's
+    # own limits sit above it (room for /health, /v1/models, /stats), so its proxy never answers with a bare-text
+    # refusal.
     return LLMReplica.options(
         **scale,
         ray_actor_options={"num_cpus": args.cpus_per_rank, "num_gpus": 1 if use_gpu else 0},
         placement_group_bundles=[rank_bundle(use_gpu, args.cpus_per_rank)] * config.tensor_parallel_size,
         placement_group_strategy="STRICT_PACK",
-        max_ongoing_requests=queue_limit + CONTROL_REQUESTS,
+        max_ongoing_requests=request_limit + CONTROL_REQUESTS,
         max_queued_requests=-1,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
         user_config=args.knobs,
-    ).bind(config, args.cpus_per_rank, queue_limit=queue_limit, api_key=args.api_key,
+    ).bind(config, args.cpus_per_rank, request_limit=request_limit, api_key=args.api_key,
            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
            request_timeout_s=args.request_timeout_s)

@@ -3,8 +3,8 @@
 Status rules: unparsable JSON and out-of-range values are 400, a body of the wrong shape or
 types (pydantic schema) is 422, a missing or wrong API key 401, an unknown model or route 404,
 an oversized body 413, anything unexpected 500 ("internal error" and the request id; the
-traceback goes to the server's log only), an overloaded replica or a dead or stuck engine 503,
-a request past its deadline 504.
+traceback goes to the server's log only), an overloaded replica (with a Retry-After header) or a
+dead or stuck engine 503, a request past its deadline 504.
 """
 from __future__ import annotations
 
@@ -48,20 +48,25 @@ class OpenAIError(Exception):
     """An error the API reports to the client; `status` is the HTTP status."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, type: Optional[str] = None):
+                 code: Optional[str] = None, type: Optional[str] = None, retry_after_s: Optional[int] = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> OpenAIError:
@@ -73,8 +78,8 @@ def model_not_found(model: str, served: str) -> OpenAIError:
                        "model", "model_not_found")
 
 
-def overloaded(message: str) -> OpenAIError:
-    return OpenAIError(503, message, None, "overloaded")
+def overloaded(message: str, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(503, message, None, "overloaded", retry_after_s=retry_after_s)
 
 
 def engine_unavailable(request_id: str) -> OpenAIError:

@@ -14,7 +14,6 @@ and annotations stay eager (no `from __future__ import annotations`) because Fas
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -28,7 +27,7 @@ from cluster.errors import (ErrorResponse, OpenAIError, from_validation_error, i
                             model_not_found, public_error)
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerationJob, StreamFailure, StreamStart
 from cluster.responses import ChatCompletionResponse, CompletionResponse, HealthStatus, ModelCard, ModelList, \
-    ResponseBuilder
+    ResponseBuilder, sse_event
 from cluster.tool_calls import template_messages
 from replicas.sampling_params import SamplingParams, SamplingParamsError
 
@@ -98,10 +97,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
 class _PromptStreams:
     """The streams of one request's prompts. Each stream is iterated by one task at a time; `close()` first
     cancels and awaits those tasks, then closes every stream (which aborts its request): closing a stream that
@@ -160,10 +155,10 @@ class _PromptStreams:
 
 class OpenAIRoutes:
     """The routes and their HTTP handling. The subclass owns the engine and provides `generate(job)` (an async
-    iterator of one job's frames; it refuses work beyond its queue with a 503 `StreamFailure`, and raises an
-    `OpenAIError` for a failure after the first frame), `model_identity()` -> (name, max_model_len),
-    `engine_problem()` -> None or why the engine cannot serve, `async replicas_describe()` (every replica's
-    `describe()`), `tool_support()` -> the served chat template's `cluster.tool_calls.ToolSupport` and
+    iterator of one job's frames; it refuses work beyond its queue with a 503 `StreamFailure` carrying a
+    Retry-After, and raises an `OpenAIError` for a failure after the first frame), `model_identity()` -> (name,
+    max_model_len), `engine_problem()` -> None or why the engine cannot serve, `async replicas_describe()` (every
+    replica's `describe()`), `tool_support()` -> the served chat template's `cluster.tool_calls.ToolSupport` and
     `max_schema_bytes()` -> the engine's bound on the JSON schemas of one request."""
 
     def _init_routes(self, api_key: Optional[str], served_model_name: Optional[str], max_body_bytes: int) -> None:
@@ -279,7 +274,8 @@ class OpenAIRoutes:
         for i, first in enumerate(firsts):
             if isinstance(first, StreamFailure):
                 await group.close()
-                raise OpenAIError(first.status, first.message, first.param, first.code)
+                raise OpenAIError(first.status, first.message, first.param, first.code,
+                                  retry_after_s=first.retry_after_s)
             assert isinstance(first, StreamStart), f"unexpected first frame {type(first).__name__}"
             builder.start(i, first)
         return group.streams, firsts
@@ -291,25 +287,23 @@ class OpenAIRoutes:
         ends the stream with one error event and [DONE]."""
         group = _PromptStreams(streams)
         done = False
-        events = [_sse(c) for c in builder.opening_chunks()]
+        events = builder.opening_events()
         try:
             for i, first in enumerate(firsts):
-                events += [_sse(c) for c in builder.add(i, first.deltas)]
+                events += builder.add_events(i, first.deltas)
             if events and not builder.finished:
-                yield "".join(events)
-                events = []
+                yield events
+                events = ""
             async for job_index, deltas in group.frames():
-                events += [_sse(c) for c in builder.add(job_index, deltas)]
+                events += builder.add_events(job_index, deltas)
                 if events and not builder.finished:
-                    yield "".join(events)
-                    events = []
+                    yield events
+                    events = ""
             done = True
-            usage = builder.usage_chunk()
-            if usage is not None:
-                events.append(_sse(usage))
+            events += builder.usage_event()
         except Exception as e:
-            events.append(_sse(public_error(e, builder.id).body()))
+            events += sse_event(public_error(e, builder.id).body())
         finally:
             if not done:
                 await group.close()
-        yield "".join(events) + "data: [DONE]\n\n"
+        yield events + "data: [DONE]\n\n"

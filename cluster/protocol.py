@@ -356,6 +356,7 @@ class StreamFailure:
     message: str
     param: Optional[str] = None
     code: Optional[str] = None
+    retry_after_s: Optional[int] = None       # an overload's Retry-After
 
 
 @dataclass

@@ -20,7 +20,8 @@ from typing import AsyncIterator, Optional, Union
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from cluster.errors import OpenAIError, engine_unavailable, request_timeout, server_draining
+from cluster.admission import Refused, admission_for, request_tokens
+from cluster.errors import OpenAIError, engine_unavailable, overloaded, request_timeout, server_draining
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, OpenAIRoutes, app
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.rank_actor import RayRankLauncher
@@ -45,9 +46,10 @@ RECENT_S = 120.0                # how far back `describe(recent=True)` reports f
 
 def replica_engine_config(config: EngineConfig) -> EngineConfig:
     """The config a replica's engine runs: the stream-item budget (EngineConfig's stream_item_ms), when the config
-    leaves it unset, is $TIDAL_STREAM_ITEM_MS or 1 ms (replicas/envs.py). Each of n streams then reports at most
-    every (n - 1) x that, so a replica loads and sends ~1,000 items/s however many streams it serves (every item
-    is work on this process's GIL); a lone stream gets every step (0: an output per engine step)."""
+    leaves it unset, is $TIDAL_STREAM_ITEM_MS or 0.1 ms (replicas/envs.py). Each of the n streams a step touched
+    then reports at most every (n - 1) x that, so a replica loads and sends at most ~10,000 items/s however many
+    streams it serves (every item is work on this process's GIL); below that rate every stream gets every step
+    (0: an output per engine step, always)."""
     if config.serving.stream_item_ms is not None:
         return config
     return config.with_(stream_item_ms=envs.stream_item_ms())
@@ -98,50 +100,60 @@ def _failure(e: Exception, default_param: str) -> StreamFailure:
     return StreamFailure(400, str(e), getattr(e, "param", None) or default_param, code)
 
 
-def _as_failure(e) -> StreamFailure:
-    return StreamFailure(e.status, e.message, e.param, e.code)
+def _as_failure(e: OpenAIError) -> StreamFailure:
+    return StreamFailure(e.status, e.message, e.param, e.code, e.retry_after_s)
 
 
 class EngineReplica(OpenAIRoutes):
     """One engine and the routes in front of it; `LLMReplica` is this class as a Serve ingress deployment."""
 
-    def __init__(self, engine_config: EngineConfig, cpus_per_rank: float = 1.0, *, queue_limit: int = 1 << 30,
+    def __init__(self, engine_config: EngineConfig, cpus_per_rank: float = 1.0, *, request_limit: int = 1 << 30,
                  api_key: Optional[str] = None, served_model_name: Optional[str] = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
-        """queue_limit: jobs in flight (generating or waiting in the engine) beyond which new ones get a 503;
+        """request_limit: jobs in flight (generating or waiting in the engine) beyond which new ones get a 503, a
+        safety bound above the token limit (cluster/admission.py, EngineConfig's max_queued_tokens);
         request_timeout_s: a job still running that long after it arrived is aborted (a 504, or in-band)."""
         self._init_routes(api_key, served_model_name, max_body_bytes)
         self.request_timeout_s = request_timeout_s
         self.replica_id = _replica_id()
-        self.queue_limit = queue_limit
         self.launcher: Optional[RayRankLauncher] = None
         if engine_config.tensor_parallel_size > 1:
             self.launcher = RayRankLauncher(engine_config.device == "cuda", cpus_per_rank)
         self.engine = AsyncLLMEngine(replica_engine_config(engine_config), worker_launcher=self.launcher)
         templates = self.engine.tokenizer.chat_templates
         self._tool_support = ToolSupport.of_template(templates.get("tool_use") or templates.get("default"))
-        self._streams = 0                    # generate() calls in flight
+        self.admission = admission_for(engine_config.serving.max_queued_tokens, self.engine.info.kv_tokens,
+                                       request_limit)
         self._peers = None                   # this deployment's handle, for /stats
         self.recent = RecentRequests()
         self.controller_state: dict = {}                    # the fleet controller's, kept for its restarts
         self.controller_log: deque[dict] = deque(maxlen=CONTROLLER_LOG)
-        self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id, on_finished=self.recent.add)
+        self.metrics = MetricsPump(self.engine, self.engine.model_name, self.replica_id, on_finished=self.recent.add,
+                                   admission=self.admission.snapshot)
         self.metrics.start()
-        logger.info("replica %s serving %s (tp=%d)", self.replica_id, self.engine.model_name,
-                    engine_config.tensor_parallel_size)
+        logger.info("replica %s serving %s (tp=%d; admits %d prompt and output tokens, %d requests)", self.replica_id,
+                    self.engine.model_name, engine_config.tensor_parallel_size, self.admission.token_limit,
+                    request_limit)
 
     async def generate(self, job: GenerationJob) -> AsyncIterator[Union[StreamStart, StreamFailure, list[ChoiceDelta]]]:
-        """Stream one job. Closing the stream (client gone) closes the engine stream, which aborts the request."""
-        if self._streams >= self.queue_limit:      # checked and counted with no await between: no overshoot
-            yield StreamFailure(503, f"The server is overloaded ({self._streams} requests in flight on this replica); "
-                                "retry later.", None, "overloaded")
+        """Stream one job. Closing the stream (client gone) closes the engine stream, which aborts the request. The
+        job holds its admission ticket until the stream ends, however it ends."""
+        try:
+            ticket = self.admission.enter()
+        except Refused as e:
+            yield _as_failure(overloaded(str(e), e.retry_after_s))
             return
         param = "messages" if job.messages is not None else "prompt"
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
-        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id, deadline=deadline)
+        max_model_len = self.engine.max_model_len
+
+        def admit(ids: list[int]) -> None:
+            ticket.charge(request_tokens(len(ids), job.params, max_model_len))
+
+        stream = self.engine.generate_batches(self._prompt(job), job.params, job.request_id, deadline=deadline,
+                                              admit=admit)
         started = False
         reported: set[int] = set()
-        self._streams += 1
         try:
             async for outs in stream:
                 deltas = _merge([d for out in outs for d in _deltas(out, reported)])
@@ -150,6 +162,8 @@ class EngineReplica(OpenAIRoutes):
                     yield StreamStart(self.replica_id, len(outs[0].prompt_token_ids), deltas)
                 elif deltas:
                     yield deltas
+        except Refused as e:          # before the request reached the engine: nothing started
+            yield _as_failure(overloaded(str(e), e.retry_after_s))
         except RequestTimeout:
             logger.warning("request %s passed its deadline (%g s) and was aborted", job.request_id,
                            self.request_timeout_s)
@@ -183,8 +197,10 @@ class EngineReplica(OpenAIRoutes):
                 raise engine_unavailable(job.request_id) from None
             yield _as_failure(engine_unavailable(job.request_id))
         finally:
-            self._streams -= 1
-            await stream.aclose()
+            try:
+                await stream.aclose()
+            finally:
+                ticket.release()
 
     async def begin_drain(self, within_s: float) -> None:
         """The server is stopping: requests still running `within_s` from now end with a 503 `shutting_down`
@@ -218,6 +234,7 @@ class EngineReplica(OpenAIRoutes):
         stats = await asyncio.to_thread(self.engine.stats)       # an engine call: answered between two steps
         out = {"replica_id": self.replica_id, "model": self.engine.model_name,
                "max_model_len": self.engine.max_model_len, "stats": asdict(stats),
+               "admission": asdict(self.admission.snapshot()),
                "budget_limit": self.engine.config.scheduling.max_num_batched_tokens,
                "elastic_available": self.engine.info.elastic_available,
                "controller": {"state": self.controller_state, "log": list(self.controller_log)}}

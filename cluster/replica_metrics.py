@@ -1,12 +1,14 @@
-"""A replica's metrics: every second the engine's stats and finished requests' timings, recorded through Ray's
-metrics path (`cluster.metrics.ReplicaMetrics`) by an actor of the replica's own, and the finished requests
-handed to the replica's window of recent requests (what the fleet controller judges latency from)."""
+"""A replica's metrics: every second the engine's stats, finished requests' timings and the replica's admission,
+recorded through Ray's metrics path (`cluster.metrics.ReplicaMetrics`) by an actor of the replica's own, and the
+finished requests handed to the replica's window of recent requests (what the fleet controller judges latency
+from)."""
 from __future__ import annotations
 
 import logging
 import threading
 from typing import Callable, Optional
 
+from cluster.admission import AdmissionSnapshot
 from cluster.metrics import ReplicaMetrics
 from replicas.async_engine import AsyncLLMEngine
 from replicas.stats import EngineStats
@@ -25,8 +27,11 @@ class MetricsRecorder:
     def __init__(self, model_name: str, replica_id: str):
         self.metrics = ReplicaMetrics(model_name, replica_id)
 
-    def record(self, stats: EngineStats, timings: list) -> None:
+    def record(self, stats: EngineStats, timings: list, admission: Optional[AdmissionSnapshot] = None) -> None:
         self.metrics.record(stats, timings)
+        if admission is not None:
+            self.metrics.record_admission(admission.requests, admission.tokens, admission.token_limit,
+                                          admission.refused)
 
     def record_controller_decision(self, knob: str, value: float, reason: str, applied: bool = True) -> None:
         self.metrics.record_controller_decision(knob, value, reason, applied)
@@ -40,8 +45,8 @@ class RemoteRecorder:
         self.actor = ray.remote(num_cpus=0)(MetricsRecorder).remote(model_name, replica_id)
         self.last = None
 
-    def record(self, stats: EngineStats, timings: list) -> None:
-        self.last = self.actor.record.remote(stats, timings)
+    def record(self, stats: EngineStats, timings: list, admission: Optional[AdmissionSnapshot] = None) -> None:
+        self.last = self.actor.record.remote(stats, timings, admission)
 
     def record_controller_decision(self, knob: str, value: float, reason: str, applied: bool = True) -> None:
         self.last = self.actor.record_controller_decision.remote(knob, value, reason, applied)
@@ -62,11 +67,13 @@ class MetricsPump(threading.Thread):
     finished requests still go to `on_finished`."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, replica_id: str, period_s: float = METRICS_PERIOD_S,
-                 on_finished: Optional[Callable[[list], None]] = None):
+                 on_finished: Optional[Callable[[list], None]] = None,
+                 admission: Optional[Callable[[], AdmissionSnapshot]] = None):
         super().__init__(name="tidal-metrics", daemon=True)
         self.engine = engine
         self.period_s = period_s
         self.on_finished = on_finished
+        self.admission = admission
         self.recorder = self._load_recorder(model_name, replica_id)
         self._halt = threading.Event()
 
@@ -76,7 +83,7 @@ class MetricsPump(threading.Thread):
         try:
             if ray.is_initialized():
                 return RemoteRecorder(model_name, replica_id)
-            return ReplicaMetrics(model_name, replica_id)
+            return MetricsRecorder(model_name, replica_id)
         except Exception:
             logger.exception("replica metrics could not start; they are off")
             return None
@@ -91,7 +98,8 @@ class MetricsPump(threading.Thread):
             if self.on_finished is not None:
                 self.on_finished(timings)
             if self.recorder is not None:
-                self.recorder.record(self.engine.stats(), timings)
+                self.recorder.record(self.engine.stats(), timings,
+                                     self.admission() if self.admission is not None else None)
         except Exception:
             logger.exception("recording replica metrics failed")
 

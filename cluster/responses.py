@@ -2,6 +2,8 @@
 SSE chunks or one final response."""
 from __future__ import annotations
 
+import functools
+import json
 import time
 from typing import Any, Literal, Optional
 
@@ -127,12 +129,22 @@ def _tool_call_chunks(deltas: list[ToolCallDelta]) -> list[ToolCallOut]:
     return list(merged.values())
 
 
-class ResponseBuilder:
-    """Turns one request's frames into OpenAI stream chunks and/or the final response body.
+_json = functools.partial(json.dumps, separators=(",", ":"))
 
-    Choice `i` of prompt `j` is choice `j * n + i` of the response, as in the OpenAI API. With `tool_format`
-    (a chat offering tools) each choice's text goes through a ToolCallParser: content and tool calls apart, the
-    finish reason `tool_calls` when a choice that called a tool stopped on its own.
+
+def sse_event(payload: dict) -> str:
+    return f"data: {_json(payload)}\n\n"
+
+
+class ResponseBuilder:
+    """Turns one request's frames into OpenAI stream chunks (SSE events) and/or the final response body.
+
+    Choice `i` of prompt `j` is choice `j * n + i` of the response, as in the OpenAI API. A stream chunk is the
+    `ChatCompletionResponse` / `CompletionResponse` shape with None fields left out; its fixed part (id, object,
+    created, model) is encoded once per request and each chunk encodes only its choice, as plain dicts (no
+    pydantic per chunk: tests/replicas/test_stream_batches.py holds them equal to the models' dump). With
+    `tool_format` (a chat offering tools) each choice's text goes through a ToolCallParser: content and tool calls
+    apart, the finish reason `tool_calls` when a choice that called a tool stopped on its own.
     """
 
     def __init__(self, kind: Literal["chat", "completion"], request_id: str, model: str, n: int,
@@ -151,48 +163,53 @@ class ResponseBuilder:
         self.logprobs: list[Optional[dict]] = [None] * count
         self.prompt_tokens = 0
         self.tool_parsers = [ToolCallParser(tool_format) for _ in range(count)] if tool_format else None
+        head = {"id": request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": model}
+        self._event_head = "data: " + _json(head)[:-1] + ',"choices":['
 
     def start(self, prompt_index: int, start: StreamStart) -> None:
         self.prompt_tokens += start.prompt_tokens
 
-    def opening_chunks(self) -> list[dict]:
-        if not self.chat:
-            return []
-        return [self._chunk(ChatChoice(index=i, delta=ChatDelta(role="assistant", content="")))
-                for i in range(len(self.texts))]
+    def add(self, prompt_index: int, deltas: list["ChoiceDelta"]) -> None:
+        """Record one frame."""
+        for d in deltas:
+            self._record(prompt_index * self.n + d.index, d)
 
-    def add(self, prompt_index: int, deltas: list["ChoiceDelta"]) -> list[dict]:
-        """Record one frame; returns its stream chunks (one per choice that moved)."""
-        chunks = []
+    def opening_events(self) -> str:
+        """A chat stream's first events: the assistant role, per choice."""
+        if not self.chat:
+            return ""
+        return "".join(self._event({"index": i, "delta": {"role": "assistant", "content": ""}})
+                       for i in range(len(self.texts)))
+
+    def add_events(self, prompt_index: int, deltas: list["ChoiceDelta"]) -> str:
+        """Record one frame; returns its SSE events (one chunk per choice that moved)."""
+        events = []
         for d in deltas:
             i = prompt_index * self.n + d.index
-            piece = self._logprobs_piece(i, d)
-            text, calls, finish = d.text, None, d.finish_reason
-            if self.tool_parsers is not None:
-                text, calls, finish = self._parse_tools(i, d)
-            self.texts[i].append(text)
-            self.text_len[i] += len(text)
-            self.num_tokens[i] += len(d.token_ids)
-            self.finish[i] = finish or self.finish[i]
+            piece, text, calls, finish = self._record(i, d)
+            choice: dict[str, Any] = {"index": i}
             if self.chat:
                 if self.tool_parsers is not None and not (text or calls or finish or piece):
                     continue            # the tool-call parser holds it back
-                choice = ChatChoice(index=i, delta=ChatDelta(content=text or None,
-                                                             tool_calls=_tool_call_chunks(calls) if calls else None),
-                                    logprobs=piece, finish_reason=finish)
+                delta: dict[str, Any] = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = [c.model_dump(exclude_none=True) for c in _tool_call_chunks(calls)]
+                choice["delta"] = delta
             else:
-                choice = CompletionChoice(index=i, text=d.text, logprobs=piece, finish_reason=d.finish_reason)
-            chunks.append(self._chunk(choice))
-        return chunks
+                choice["text"] = text
+            if piece is not None:
+                choice["logprobs"] = piece
+            if finish is not None:
+                choice["finish_reason"] = finish
+            events.append(self._event(choice))
+        return "".join(events)
 
-    def _parse_tools(self, i: int, d: "ChoiceDelta") -> tuple[str, list[ToolCallDelta], Optional[str]]:
-        parser = self.tool_parsers[i]
-        text, calls = parser.feed(d.text)
-        if d.finish_reason is None:
-            return text, calls, None
-        more, last = parser.finish()
-        finish = "tool_calls" if parser.calls and d.finish_reason == "stop" else d.finish_reason
-        return text + more, calls + last, finish
+    def usage_event(self) -> str:
+        """The usage chunk (`choices: []`) when the request asked for it, else nothing."""
+        if not self.include_usage:
+            return ""
+        return self._event_head + '],"usage":' + _json(self.usage().model_dump()) + "}\n\n"
 
     @property
     def finished(self) -> bool:
@@ -203,9 +220,6 @@ class ResponseBuilder:
         completion = sum(self.num_tokens)
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
                      total_tokens=self.prompt_tokens + completion)
-
-    def usage_chunk(self) -> Optional[dict]:
-        return self._chunk(None, usage=self.usage()) if self.include_usage else None
 
     def final(self) -> dict:
         if self.chat:
@@ -228,11 +242,31 @@ class ResponseBuilder:
             ToolCallOut(id=c.id, type="function", function=FunctionCallOut(name=c.name, arguments=c.arguments))
             for c in calls])
 
-    def _chunk(self, choice, usage: Optional[Usage] = None) -> dict:
-        cls = ChatCompletionResponse if self.chat else CompletionResponse
-        extra = {"object": "chat.completion.chunk"} if self.chat else {}
-        return cls(id=self.id, created=self.created, model=self.model, choices=[choice] if choice else [],
-                   usage=usage, **extra).model_dump(exclude_none=True)
+    def _event(self, choice: dict) -> str:
+        return self._event_head + _json(choice) + "]}\n\n"
+
+    def _record(self, i: int, d: "ChoiceDelta") -> tuple[Optional[dict], str, Optional[list[ToolCallDelta]],
+                                                        Optional[str]]:
+        """Add a delta to choice i; returns its logprobs piece (None without logprobs), the text and tool calls it
+        adds (with tools, what the parser lets through) and its finish reason."""
+        piece = self._logprobs_piece(i, d)
+        text, calls, finish = d.text, None, d.finish_reason
+        if self.tool_parsers is not None and self.chat:
+            text, calls, finish = self._parse_tools(i, d)
+        self.texts[i].append(text)
+        self.text_len[i] += len(text)
+        self.num_tokens[i] += len(d.token_ids)
+        self.finish[i] = finish or self.finish[i]
+        return piece, text, calls, finish
+
+    def _parse_tools(self, i: int, d: "ChoiceDelta") -> tuple[str, list[ToolCallDelta], Optional[str]]:
+        parser = self.tool_parsers[i]
+        text, calls = parser.feed(d.text)
+        if d.finish_reason is None:
+            return text, calls, None
+        more, last = parser.finish()
+        finish = "tool_calls" if parser.calls and d.finish_reason == "stop" else d.finish_reason
+        return text + more, calls + last, finish
 
     def _logprobs_piece(self, i: int, d: "ChoiceDelta") -> Optional[dict]:
         """This delta's logprobs in the endpoint's format, also appended to choice i's total."""

@@ -16,6 +16,7 @@ from typing import Optional
 
 from pydantic import ValidationError
 
+from cluster.admission import MAX_QUEUED_REQUESTS
 from cluster.controller import ACTOR_NAME as CONTROLLER_ACTOR
 from cluster.controller_policies import POLICIES
 from cluster.local_cluster import (SERVE_ENV, cluster_alive, haproxy_available, haproxy_env, is_loopback,
@@ -54,7 +55,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default: $TIDAL_API_KEY, else no auth)")
     p.add_argument("--max-ongoing-requests", type=int, default=None,
                    help="requests one replica holds at once (default: the engine's max_num_seqs)")
-    p.add_argument("--max-queued-requests", type=int, default=256, help="waiting for a replica; beyond -> 503")
+    p.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
+                   help="requests one replica holds beyond --max-ongoing-requests, a safety bound (-1: none); "
+                        "beyond it, or beyond --max-queued-tokens, an OpenAI 503 with Retry-After")
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                    help="initial runtime knob (Serve user_config), e.g. max_num_batched_tokens=1024; repeatable")
     p.add_argument("--controller", nargs="?", const="auto", default=None, choices=POLICIES, metavar="POLICY",

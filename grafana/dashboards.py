@@ -99,7 +99,12 @@ SERVING = DashboardDef(
             PanelDef("Running and waiting requests", "short", (
                 Target(gauge("tidal:num_requests_running", agg="sum"), "running {{replica}}"),
                 Target(gauge("tidal:num_requests_waiting", agg="sum"), "waiting {{replica}}"),
-            )),
+                Target(gauge("tidal:num_requests_queued", agg="sum"), "in the replica {{replica}}"),
+            ), "In the replica: admitted and not finished (running, waiting in the engine, or being tokenized)."),
+            PanelDef("Admitted tokens, of the limit", "percentunit", (
+                Target(f'{gauge("tidal:num_tokens_queued")} / {gauge("tidal:max_queued_tokens")}', "{{replica}}"),),
+                     "Prompt plus most output tokens of the requests in the replica, over its admission limit "
+                     "(max_queued_tokens); at 1 new requests get a 503 with Retry-After."),
             PanelDef("KV cache usage", "percentunit", (Target(gauge("tidal:kv_cache_usage_perc"), "{{replica}}"),)),
             PanelDef("Prefix cache hit rate", "percentunit", (
                 Target(f'{rate("tidal:prefix_cache_hits_total")} / {rate("tidal:prefix_cache_queries_total")}',

@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from replicas.config import EngineConfig
 from replicas.distributed.launch import ProcessLauncher, WorkerLauncher, free_port
@@ -241,12 +241,16 @@ class AsyncLLMEngine:
             await batches.aclose()
 
     async def generate_batches(self, prompt: Prompt, params: SamplingParams, request_id: str, *,
-                               deadline: Optional[float] = None) -> AsyncIterator[list[RequestOutput]]:
+                               deadline: Optional[float] = None,
+                               admit: Optional[Callable[[list[int]], None]] = None
+                               ) -> AsyncIterator[list[RequestOutput]]:
         """The request's outputs in order, as lists of all that arrived while the consumer was busy: a consumer
         slower than the engine (a network hop per item) gets fewer, larger items instead of falling behind.
         `prompt`: text, token ids, or a `ChatPrompt` (ValueError if the chat template refuses it); it is tokenized
         in a worker thread. `deadline`: an absolute `loop.time()`; past it the request is aborted and the stream
-        raises RequestTimeout. Refusals: RequestError (a 400), EngineDeadError (the engine is down)."""
+        raises RequestTimeout. `admit`: called with the checked prompt ids right before the request goes to the core,
+        on the event loop with no await before the send; what it raises refuses the request (a server's admission
+        control). Refusals: RequestError (a 400), EngineDeadError (the engine is down)."""
         self._check_alive()
         if request_id in self._streams:
             raise RequestError("request_id", f"request id {request_id!r} is already in use")
@@ -267,6 +271,8 @@ class AsyncLLMEngine:
             if deadline is not None and loop.time() >= deadline:
                 raise RequestTimeout(f"request {request_id!r} passed its deadline")
             self._check_alive()
+            if admit is not None:
+                admit(ids)
             self._prompts[request_id] = (text, ids)
             self._send(AddRequest(request_id, ids, params))
             sent = True

@@ -241,14 +241,18 @@ class GraphsConfig(_Checked):
 
 @dataclass(frozen=True)
 class ServingConfig(_Checked):
-    """How the engine reports to a server streaming its outputs, and how the server watches it."""
-    stream_item_ms: Optional[float] = setting(None, "with n requests streaming, each reports at most every (n-1) "
-                                                    "x this many ms (default: 0 offline, an output per step; "
-                                                    "$TIDAL_STREAM_ITEM_MS or 1.0 in a Serve replica)",
+    """How the engine reports to a server streaming its outputs, how the server watches it and what it admits."""
+    stream_item_ms: Optional[float] = setting(None, "with n requests streaming in a step, each reports at most every "
+                                                    "(n-1) x this many ms (default: 0 offline, an output per step; "
+                                                    "$TIDAL_STREAM_ITEM_MS or 0.1 in a Serve replica)",
                                               minimum=0.0)
     watchdog_s: float = setting(30.0, "the engine core counts as stuck (its requests fail, health checks fail) "
                                       "after this many seconds without finishing a step or an idle wait",
                                 flat="engine_watchdog_s", minimum=0.1)
+    max_queued_tokens: Optional[int] = setting(None, "a Serve replica admits generation requests while their prompt "
+                                                     "plus most output tokens (n x max_tokens) add up to at most "
+                                                     "this; beyond it a 503 with Retry-After (default: 4 x the "
+                                                     "tokens the KV cache holds)", minimum=1)
 
 
 @dataclass(frozen=True)

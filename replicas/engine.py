@@ -289,7 +289,7 @@ class LLMEngine:
         self.stats.prefill_steps += batch.has_prefill
         self.stats.iteration_tokens_total += batch.num_tokens
         outputs = []
-        for req in self.coalescer.due(touched, now, len(self.requests)):
+        for req in self.coalescer.due(touched, now, len(touched)):
             outputs.append(req.make_output())
             if req.finished:
                 self._retire(req)

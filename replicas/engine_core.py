@@ -11,8 +11,8 @@ Messages (replicas/engine_messages.py), one class per kind, pickled over the pip
                    Reply(call_id, ok, value) | CoreDied(reason)
 The core answers each call (GetStats, DrainFinishedTimings, Reconfigure) with one Reply between two steps.
 Prompts arrive as token ids (the client tokenizes them) and outputs leave without them (the client keeps them).
-With `EngineConfig.serving.stream_item_ms` set, each of n requests reports at most every (n - 1) x that, an output
-carrying everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
+With `EngineConfig.serving.stream_item_ms` set, each of the n requests a step touched reports at most every (n - 1) x
+that, an output carrying everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
 
 Liveness: the core writes the monotonic time into the shared `heartbeat` before and after every step and at least
 every IDLE_BEAT_S while it waits for input; the client's watchdog reads it. Failures: a request the engine cannot
@@ -144,7 +144,9 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         engine = LLMEngine(config, worker_launcher=launcher)
         core = EngineCore(engine, inputs, outputs, heartbeat)
         core.beat()
+        bm = engine.block_manager
         outputs.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
+                                      bm.num_base * bm.block_size,
                                       engine.elastic is not None)))
         core.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -30,6 +30,7 @@ class EngineInfo:
     model_name: str
     max_model_len: int
     vocab_size: int               # ids below this are valid in both the model and the tokenizer
+    kv_tokens: int                # tokens the KV cache's base region holds (an elastic reserve not counted)
     elastic_available: bool
 
 

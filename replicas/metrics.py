@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from replicas.stats import EngineStats, RequestTimings
 
@@ -91,6 +91,15 @@ METRICS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("e2e_request_latency_seconds", H, "Arrival to finish.", buckets=REQUEST_LATENCY_BUCKETS),
     MetricSpec("request_queue_time_seconds", H, "Arrival to first scheduling.", buckets=REQUEST_LATENCY_BUCKETS),
     MetricSpec("max_num_batched_tokens", G, "Token budget of one engine step."),
+    # a serving replica's admission (cluster/admission.py)
+    MetricSpec("num_requests_queued", G,
+               "Generation requests a replica holds: admitted, not finished (running or waiting in the engine)."),
+    MetricSpec("num_tokens_queued", G,
+               "Prompt plus most output tokens of the requests a replica holds (what admission counts)."),
+    MetricSpec("max_queued_tokens", G, "The token limit of a replica's admission; beyond it, a 503."),
+    MetricSpec("num_requests_refused", C,
+               "Generation requests refused with a 503 overloaded, by reason (tokens: the token limit; requests: "
+               "the request-count bound).", ("reason",)),
     # elastic KV reserve
     MetricSpec("elastic_mode", G, "1 for the engine's current elastic KV mode, 0 for modes it left.", ("mode",)),
     MetricSpec("reserve_bytes", G, "Bytes of the prefill-activation reserve."),
@@ -181,6 +190,7 @@ class StatsRecorder:
         self._prev_samples = {count: 0 for count, _, _ in LATENCY_FIELDS}
         self._modes: set[str] = set()                 # elastic modes seen; all but the current one export 0
         self._settings: dict[str, float] = {}         # knob -> the value the controller last set
+        self._prev_refused: dict[str, int] = {}
 
     def record(self, stats: EngineStats, timings: Sequence[RequestTimings] = ()) -> None:
         self._record_counters(stats)
@@ -194,6 +204,17 @@ class StatsRecorder:
         if applied:
             self._settings[knob] = float(value)
             self.sink.set(METRICS["controller_setting"], float(value), {**self.labels, "knob": knob})
+
+    def record_admission(self, requests: int, tokens: int, token_limit: int, refused: Mapping[str, int]) -> None:
+        """A serving replica's admission: its queue now, its token limit, and its refusals since it started, by
+        reason (monotonic counts, exported as increments)."""
+        for name, value in (("num_requests_queued", requests), ("num_tokens_queued", tokens),
+                            ("max_queued_tokens", token_limit)):
+            self.sink.set(METRICS[name], float(value), self.labels)
+        spec = METRICS["num_requests_refused"]
+        for reason, now in refused.items():
+            self._inc(spec, _increment(self._prev_refused.get(reason, 0), now), {**self.labels, "reason": reason})
+            self._prev_refused[reason] = now
 
     def _record_counters(self, stats: EngineStats) -> None:
         """Exports each counter's increase since the previous snapshot."""

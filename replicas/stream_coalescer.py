@@ -1,11 +1,12 @@
-"""Which requests report an output this step: per-request coalescing before anything is built or pickled.
+"""Which requests report an output this step: per-request coalescing before anything is built or pickled, an
+overload valve on the rate of stream items.
 
-A server streaming to many clients cannot use an output per request per step: that is one object per stream
-per engine step for the engine core to build and pickle and for the serving process to load and fan out, on
-the GIL its HTTP side needs. With an item budget set
-(`EngineConfig.serving.stream_item_ms`; a Serve replica sets it), each of n streaming requests reports only once
-(n - 1) x the budget has passed since its last report: the serving process handles about one item per
-budget however many streams it serves, and a lone stream gets every step. A request that does not report
+Every output is one object per stream per engine step for the engine core to build and pickle and for the serving
+process to load, turn into an SSE chunk and write, on the GIL its HTTP side needs. With an item budget set
+(`EngineConfig.serving.stream_item_ms`; a Serve replica sets it), each of n streaming requests that the step
+touched reports only once (n - 1) x the budget has passed since its last report, so the engine sends at most
+about one item per budget however many streams run. Below that rate (n x steps per second < 1 / budget) it
+changes nothing: every stream reports every step; a lone stream always does. A request that does not report
 simply keeps its new tokens and text: `Request.make_output` copies out everything since the previous
 output, so merging costs nothing. A request's first output (its first token: TTFT) and its last one go out
 at once, so coalescing never delays a request's start or end (tests/replicas/test_stream_batches.py).

@@ -53,15 +53,17 @@ def request_tpot(latency: float, ttft: float, output_tokens: int) -> Optional[fl
 class Summary:
     mean: float
     median: float
+    p90: float
     p99: float
 
     @classmethod
     def of_seconds(cls, values: Sequence[float]) -> "Summary":
-        """Mean, median and p99 (linear interpolation) in ms; zeros when there is nothing to summarize."""
+        """Mean, median, p90 and p99 (linear interpolation) in ms; zeros when there is nothing to summarize."""
         if len(values) == 0:
-            return cls(0.0, 0.0, 0.0)
+            return cls(0.0, 0.0, 0.0, 0.0)
         ms = np.asarray(values, dtype=np.float64) * 1000.0
-        return cls(float(ms.mean()), float(np.median(ms)), float(np.percentile(ms, 99)))
+        p90, p99 = np.percentile(ms, (90, 99))
+        return cls(float(ms.mean()), float(np.median(ms)), float(p90), float(p99))
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,8 @@ class BenchmarkMetrics:
     output_throughput: float
     total_token_throughput: float
     ttft: Summary
-    tpot: Summary
-    itl: Summary
+    tpot: Summary                   # per request (E2EL - TTFT) / (tokens - 1)
+    itl: Summary                    # the gaps between a stream's consecutive content chunks, all streams pooled
     e2el: Summary
     good_requests: Optional[int]    # None when no SLO was given
     goodput: Optional[float]        # good requests per second
@@ -134,12 +136,14 @@ def format_table(m: BenchmarkMetrics, max_concurrency: Optional[int] = None,
     row("Output token throughput (tok/s):", m.output_throughput)
     row("Total token throughput (tok/s):", m.total_token_throughput)
     for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+                       ("itl", "Inter-token Latency (chunk gaps)"), ("e2el", "End-to-end Latency")):
         s: Summary = getattr(m, key)
         lines.append(f" {title} ".center(width, "-"))
         name = key.upper()
         row(f"Mean {name} (ms):", s.mean)
         row(f"Median {name} (ms):", s.median)
+        if key == "itl":
+            row(f"P90 {name} (ms):", s.p90)
         row(f"P99 {name} (ms):", s.p99)
     lines.append("=" * width)
     return "\n".join(lines)

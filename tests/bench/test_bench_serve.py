@@ -56,7 +56,8 @@ def test_summary_percentiles_in_ms():
     s = Summary.of_seconds([i / 1000 for i in range(1, 101)])        # 1..100 ms
     assert s.mean == pytest.approx(50.5) and s.median == pytest.approx(50.5)
     assert s.p99 == pytest.approx(99.01)                             # linear interpolation
-    assert Summary.of_seconds([]) == Summary(0.0, 0.0, 0.0)
+    assert s.p90 == pytest.approx(90.1)
+    assert Summary.of_seconds([]) == Summary(0.0, 0.0, 0.0, 0.0)
 
 
 def test_tpot_excludes_first_token():
@@ -84,6 +85,7 @@ def test_compute_metrics_totals_goodput_and_failures():
     for label in ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Total input tokens:",
                   "Total generated tokens:", "Request throughput (req/s):", "Request goodput (req/s):",
                   "Output token throughput (tok/s):", "Total token throughput (tok/s):", "P99 ITL (ms):",
+                  "Median ITL (ms):", "P90 ITL (ms):", "Mean TPOT (ms):", "P99 TPOT (ms):",
                   "Median TPOT (ms):", "Mean E2EL (ms):"):
         assert label in table
 
@@ -285,7 +287,9 @@ def test_e2e_stub_counts_tokens_and_times_stream(tmp_path, tokenizer_json, capsy
     assert doc["median_e2el_ms"] >= 20.0 + 5 * 2.0
     tpots = [(e - t) / (n - 1) * 1e3 for e, t, n in zip(doc["e2els"], doc["ttfts"], doc["output_lens"])]
     assert doc["mean_tpot_ms"] == pytest.approx(np.mean(tpots)) and doc["output_lens"] == [6] * 8
-    assert all(len(gaps) == 5 for gaps in doc["itls"]) and doc["p99_itl_ms"] >= doc["median_itl_ms"]
+    assert all(len(gaps) == 5 for gaps in doc["itls"]) and doc["p99_itl_ms"] >= doc["p90_itl_ms"] >= \
+        doc["median_itl_ms"]
+    assert doc["mean_tpot_ms"] > 0 and doc["p99_tpot_ms"] >= doc["median_tpot_ms"]
     body = stub.bodies[-1]
     assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 6
     assert "Successful requests:" in capsys.readouterr().out

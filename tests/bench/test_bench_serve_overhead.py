@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from bench.serve_overhead import direct_config, main, over_repeats, serve_flags
+from bench.serve_overhead import direct_config, main, over_repeats, serve_flags, streaming_over_repeats, write_section
 from cluster.app import engine_config
 from cluster.serve_cmd import add_serve_parser, serve_app_args
 
@@ -46,7 +46,9 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
         assert direct["output_tokens"] == serve["output_tokens"] == requests * 4
         for r in (direct, serve):
             assert 0 < r["ttft_ms"]["median"] <= r["ttft_ms"]["p99"]
-            assert r["output_tok_s"] > 0
+            assert r["output_tok_s"] > 0 and r["failed"] == 0
+            assert 0 < r["tpot_ms"]["median"] <= r["tpot_ms"]["p99"]
+            assert 0 <= r["itl_ms"]["median"] <= r["itl_ms"]["p90"] <= r["itl_ms"]["p99"]
     assert res["added_median_ttft_ms_c1"] == (res["serve"]["idle"]["ttft_ms"]["median"]
                                               - res["direct"]["idle"]["ttft_ms"]["median"])
     assert res["throughput_ratio_64"] == \
@@ -58,7 +60,7 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
         res["direct"]["loaded"]["output_tok_s"]
     table = capsys.readouterr().out
     assert "replica port" in table
-    assert "added median TTFT" in table and "serve" in table and "direct" in table
+    assert "added median TTFT" in table and "serve" in table and "direct" in table and "TPOT mean" in table
 
 
 def test_repeats_compare_each_run_with_its_own_direct_run_and_report_the_medians():
@@ -72,3 +74,22 @@ def test_repeats_compare_each_run_with_its_own_direct_run_and_report_the_medians
     assert res["added_median_ttft_ms_c1"] == 2.0 and res["added_median_ttft_ms_c64"] == 10.0
     assert res["throughput_ratio_64"] == 0.95 and res["meets_targets"] == {"added_median_ttft_ms_c1": True,
                                                                            "throughput_ratio_64": True}
+
+
+def test_streaming_section_takes_the_front_doors_figures_and_keeps_the_files_other_keys(tmp_path):
+    def run(tok_s, failed=0):
+        def level(tpot, p99):
+            return {"failed": failed, "tpot_ms": {"mean": tpot}, "itl_ms": {"median": tpot, "p99": p99},
+                    "output_tok_s": tok_s}
+        return {"idle": level(1.2, 2.0), "loaded": level(10.0, 40.0)}
+    section = streaming_over_repeats([run(900.0), run(950.0, failed=1), run(800.0)],
+                                     [run(1000.0), run(1000.0), run(1000.0)])
+    assert (section["tpot_ms_c1"], section["p99_itl_ms_c256"], section["median_itl_ms_c256"],
+            section["mean_tpot_ms_c256"], section["throughput_ratio"]) == (1.2, 40.0, 10.0, 10.0, 0.9)
+    assert section["failed"] == 2 and [e["failed"] for e in section["each_repeat"]] == [0, 2, 0]
+    assert section["meets_targets"] == {"failed": False, "tpot_ms_c1": True, "p99_itl_ms_c256": True,
+                                        "throughput_ratio": True}
+    out = tmp_path / "serve_overhead.json"
+    out.write_text(json.dumps({"throughput_ratio_64": 0.98}))
+    write_section(str(out), "streaming", section)
+    assert json.loads(out.read_text()) == {"throughput_ratio_64": 0.98, "streaming": json.loads(json.dumps(section))}

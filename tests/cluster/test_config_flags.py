@@ -171,7 +171,7 @@ TODAYS_FLAGS = [
     ("--enforce-eager", None, "enforce_eager", None),
     ("--mixed-graph-tokens", "0", "mixed_graph_tokens", None),
     ("--max-ongoing-requests", "4", "max_ongoing_requests", None),
-    ("--max-queued-requests", "16", "max_queued_requests", 256),
+    ("--max-queued-requests", "16", "max_queued_requests", 4096),
     ("--elastic", "elastic", "elastic", None),
     ("--reserve-blocks", "8", "reserve_blocks", None),
     ("--speculative", "dominotree", "speculative", None),

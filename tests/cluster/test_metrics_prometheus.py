@@ -36,6 +36,10 @@ RAY_MODEL, STANDALONE_MODEL = "synthetic-ray", "synthetic-standalone"
 STEPS = 24                  # active steps of the synthetic workload, then idle
 GEN_PER_STEP = 7
 WAIT_S = 90                 # Ray's export and the 1 s scrapes lag a few seconds
+ADMISSION_LIMIT = 4096
+# A counter appears at its first increment: the real servers below refuse nothing (their refusals are checked on
+# Ray's export in tests/cluster/test_serve_cluster.py).
+ONLY_AFTER_A_REFUSAL = {"tidal:num_requests_refused_total"}
 
 needs_prometheus = pytest.mark.skipif(prometheus_binary() is None,
                                       reason="prometheus not installed (scripts/install-prometheus.sh)")
@@ -82,6 +86,11 @@ class SyntheticEngine:
         return s, [RequestTimings(f"r{i}", t0, t0 + 0.05, t0 + 0.2, t0 + 1.5, 11, GEN_PER_STEP, reason,
                                   [0.02, 0.03, 0.05])]
 
+    @staticmethod
+    def admission(i: int) -> tuple[int, int, int, dict[str, int]]:
+        """A replica's queue and its refusals so far (record_admission's arguments): one refusal per step."""
+        return 6, 6 * 87, ADMISSION_LIMIT, {"tokens": i + 1, "requests": 0}
+
     def idle(self) -> tuple[EngineStats, list[RequestTimings]]:
         s = self.stats
         s.num_running = s.num_waiting = s.kv_blocks_used = s.reserve_blocks_used = s.reserve_lent_bytes = 0
@@ -110,8 +119,10 @@ def run_ray_driver(metrics_port: int) -> None:
                 self.metrics.record(*self.engine.step())
                 if i % 8 == 0:
                     self.metrics.record_controller_decision("max_num_batched_tokens", 2048 - 64 * i, "kv_pressure")
+                self.metrics.record_admission(*self.engine.admission(i))
                 time.sleep(period_s)
             self.metrics.record(*self.engine.idle())
+            self.metrics.record_admission(0, 0, ADMISSION_LIMIT, {"tokens": steps, "requests": 0})
             return self.engine.stats.generation_tokens
 
     replicas = [SyntheticReplica.remote(f"r{k}") for k in range(2)]
@@ -191,6 +202,7 @@ def synthetic_cluster():
     standalone = start_metrics_server(standalone_stats, 0, model_name=STANDALONE_MODEL, replica="s0",
                                       addr="127.0.0.1", interval_s=0.25)
     standalone.recorder.record_controller_decision("max_num_batched_tokens", 1024, "kv_pressure")
+    standalone.recorder.record_admission(*SyntheticEngine.admission(0))
     prom = None
     try:
         prom = start_prometheus([
@@ -430,7 +442,7 @@ def test_tidal_serve_metrics_under_load(served):
     events = replica_stats(served.events_url)
     model = events[0]["model"]
     seen = assert_names_and_labels(prom, model)
-    assert seen == {spec.exported_name for spec in METRICS.values()}
+    assert seen == {spec.exported_name for spec in METRICS.values()} - ONLY_AFTER_A_REFUSAL
     assert not [n for n in prom.metric_names() if n.startswith("ray_tidal_")]
     # Every expression of every dashboard, with $replica = the events server's replica(s).
     assert_expressions_return_data(prom, dashboard_expressions(), model,

@@ -32,6 +32,8 @@ EXPECTED_FAMILIES = {
     "tidal:spec_decode_num_accepted_tokens_per_pos_total", "tidal:controller_decisions_total",
     "tidal:controller_setting", "tidal:spec_decode_constrained_plain_total", "tidal:constrained_requests_total",
     "tidal:grammar_cache_hits_total", "tidal:grammar_compile_seconds", "tidal:grammar_mask_seconds",
+    "tidal:num_requests_queued", "tidal:num_tokens_queued", "tidal:max_queued_tokens",
+    "tidal:num_requests_refused_total",
 }
 
 
@@ -77,6 +79,7 @@ def test_table_names_and_labels():
     assert METRICS["controller_setting"].extra_labels == ("knob",)
     assert METRICS["elastic_mode"].extra_labels == ("mode",)
     assert METRICS["constrained_requests"].extra_labels == ("kind",)
+    assert METRICS["num_requests_refused"].extra_labels == ("reason",)
     assert METRICS["time_to_first_token_seconds"].buckets[:3] == (0.001, 0.005, 0.01)   # vLLM's
 
 
@@ -196,6 +199,18 @@ def test_controller_decisions():
     assert registry.get_sample_value("tidal:controller_setting", {**LABELS, "knob": "elastic_lend"}) == 1
 
 
+def test_admission_gauges_and_refusals_by_reason():
+    rec, registry = registry_recorder()
+    rec.record_admission(3, 900, 4096, {"tokens": 0, "requests": 0})
+    rec.record_admission(5, 4000, 4096, {"tokens": 2, "requests": 0})
+    rec.record_admission(0, 0, 4096, {"tokens": 7, "requests": 1})
+    value = lambda family, **extra: registry.get_sample_value(family, {**LABELS, **extra})  # noqa: E731
+    assert (value("tidal:num_requests_queued"), value("tidal:num_tokens_queued")) == (0, 0)
+    assert value("tidal:max_queued_tokens") == 4096
+    assert value("tidal:num_requests_refused_total", reason="tokens") == 7
+    assert value("tidal:num_requests_refused_total", reason="requests") == 1
+
+
 def test_replica_metrics_records_through_ray_without_a_cluster():
     # Ray validates tag keys on every record (even with no cluster connected): a label the table
     # does not declare, or one it declares but the recorder does not pass, raises here.
@@ -205,6 +220,7 @@ def test_replica_metrics_records_through_ray_without_a_cluster():
     stats.lend_latencies = [0.01]
     m.record(stats, [timing("a")])
     m.record_controller_decision("max_num_batched_tokens", 4096, "kv_pressure")
+    m.record_admission(2, 300, 4096, {"tokens": 1, "requests": 1})
 
 
 def test_ray_relabel_rule_restores_tidal_names():

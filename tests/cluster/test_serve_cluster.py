@@ -22,9 +22,11 @@ from tests.support.checkpoints import make_tiny_llama
 from tests.support import REPO
 from tests.support.serve import processes_titled, wait_serving
 
+from cluster.admission import MAX_RETRY_AFTER_S, RETRY_WINDOW_S, Admission, Refused, request_tokens
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
 from cluster.replica import EngineReplica
 from replicas import LLM, EngineConfig, SamplingParams
+from replicas.async_engine import EngineStepError
 from replicas.loaders import load_checkpoint
 
 openai = pytest.importorskip("openai")
@@ -161,29 +163,134 @@ def test_overload_is_an_openai_503_and_the_server_recovers(tp2_server):
     assert [s["stats"]["kv_blocks_used"] for s in stats] == [0]
 
 
-RANK_FAILURE_WITHIN_S = 30     # a client's error after a TP rank died (gloo notices the closed connection)
-SERVING_AGAIN_WITHIN_S = 120   # Serve replaces the replica: a new placement group, engine core and rank
-
-
 class BackgroundStream(threading.Thread):
-    """A streamed completion read in a thread: its `data:` payloads, and an event set at the first one."""
+    """A streamed completion read in a thread: its `data:` payloads, and an event set at the first one; `close()`
+    disconnects (the client goes away)."""
 
-    def __init__(self, server, body: dict):
-        super().__init__()
+    def __init__(self, server, body: dict, headers: dict | None = None):
+        super().__init__(daemon=True)
         self.server, self.body = server, {**body, "stream": True}
+        self.headers = {"Authorization": f"Bearer {API_KEY}"} if headers is None else headers
         self.events: list[str] = []
         self.first_chunk = threading.Event()
+        self.response = None
+        self.closed = False
 
     def run(self) -> None:
         try:
             with requests.post(f"{self.server.url}/v1/completions", json=self.body, stream=True, timeout=600,
-                               headers={"Authorization": f"Bearer {API_KEY}"}) as r:
-                for line in r.iter_lines(decode_unicode=True):
+                               headers=self.headers) as self.response:
+                for line in self.response.iter_lines(decode_unicode=True):
                     if line.startswith("data: "):
                         self.events.append(line[len("data: "):])
                         self.first_chunk.set()
+        except Exception:
+            if not self.closed:
+                raise
         finally:
             self.first_chunk.set()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.response is not None:
+            self.response.close()
+        self.join(30)
+
+
+# ---- admission by tokens: a burst is queued, beyond the token limit a 503 with Retry-After ---------------
+
+ADMISSION_SEQS = 64
+ADMISSION_TOKENS = 8192         # --max-queued-tokens of the admission server: the burst below fits, with room
+CHUNK_TOKENS = 2                # most tokens of one SSE chunk at 64 streams (docs/serving.md, the stream-item budget)
+
+
+@pytest.fixture(scope="module")
+def admission_server(tidal_server_factory, tiny_llama):
+    return tidal_server_factory("--model", tiny_llama, "--served-model-name", TINY, "--replicas", "1",
+                                "--max-num-seqs", str(ADMISSION_SEQS), "--max-queued-tokens", str(ADMISSION_TOKENS))
+
+
+def admission_of(server) -> dict:
+    return requests.get(f"{server.url}/stats", timeout=60).json()["data"][0]["admission"]
+
+
+def test_a_burst_of_four_times_max_num_seqs_is_queued_not_refused(admission_server):
+    client = openai.AsyncOpenAI(base_url=f"{admission_server.url}/v1", api_key="unused", timeout=600,
+                                max_retries=0)
+
+    async def burst():
+        async def one(i):
+            out = await client.completions.create(model=TINY, prompt=f"Question {i}:", max_tokens=16, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+            return out.usage.completion_tokens
+        try:
+            return await asyncio.gather(*(one(i) for i in range(4 * ADMISSION_SEQS)))
+        finally:
+            await client.close()
+
+    assert asyncio.run(burst()) == [16] * (4 * ADMISSION_SEQS)
+    admission = admission_of(admission_server)
+    assert (admission["requests"], admission["tokens"], admission["refused"]) == (0, 0, {"tokens": 0, "requests": 0})
+    assert admission["token_limit"] == ADMISSION_TOKENS
+
+
+def test_streamed_chunks_at_64_streams_carry_a_step_each(admission_server):
+    """64 streams at once: every content chunk carries at most CHUNK_TOKENS tokens (counted by its logprobs), so
+    the stream-item budget only acts as an overload valve."""
+    body = {"model": TINY, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 0}
+
+    def chunk_tokens(i: int) -> list[int]:
+        with requests.post(f"{admission_server.url}/v1/completions", json={**body, "prompt": f"Story {i}:"},
+                           stream=True, timeout=600) as r:
+            assert r.status_code == 200, r.text
+            events = [json.loads(line[len("data: "):]) for line in r.iter_lines(decode_unicode=True)
+                      if line.startswith("data: {")]
+        return [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"]]
+
+    with ThreadPoolExecutor(max_workers=ADMISSION_SEQS) as pool:
+        sizes = list(pool.map(chunk_tokens, range(ADMISSION_SEQS)))
+    assert all(sum(s) == 24 for s in sizes), sizes
+    assert max(max(s) for s in sizes) <= CHUNK_TOKENS, sizes
+
+
+def test_beyond_the_token_limit_a_503_with_retry_after_then_released(admission_server):
+    """A stream holding most of the token limit (n=16, 500 tokens each) makes the next request a 503 `overloaded`
+    with a Retry-After header; closing the stream releases its tokens, and Ray exports the refusal."""
+    held = BackgroundStream(admission_server, {"model": TINY, "prompt": "Once", "max_tokens": 500, "n": 16,
+                                               "ignore_eos": True}, headers={})
+    held.start()
+    try:
+        assert held.first_chunk.wait(120)
+        assert admission_of(admission_server)["tokens"] > ADMISSION_TOKENS - 200
+        client = openai.OpenAI(base_url=f"{admission_server.url}/v1", api_key="unused", timeout=60, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=TINY, prompt="Hello", max_tokens=200)
+    finally:
+        held.close()
+    error = refused.value
+    assert error.status_code == 503 and error.body["code"] == "overloaded" and error.body["type"] == "server_error"
+    assert 1 <= int(error.response.headers["retry-after"]) <= 60
+    deadline = time.monotonic() + 30
+    while (admission := admission_of(admission_server))["tokens"]:
+        assert time.monotonic() < deadline, admission
+        time.sleep(0.2)
+    assert admission["requests"] == 0 and admission["refused"]["tokens"] == 1
+    exported = 'ray_tidal_num_requests_refused_total{'
+    deadline = time.monotonic() + 60
+    while True:
+        text = requests.get(f"http://127.0.0.1:{admission_server.metrics_port}/metrics", timeout=30).text
+        refusals = [line for line in text.splitlines() if line.startswith(exported) and 'reason="tokens"' in line]
+        if refusals:
+            break
+        assert time.monotonic() < deadline, "Ray exported no refusal"
+        time.sleep(1)
+    assert float(refusals[0].rsplit(" ", 1)[1]) == 1
+
+
+RANK_FAILURE_WITHIN_S = 30     # a client's error after a TP rank died (gloo notices the closed connection)
+SERVING_AGAIN_WITHIN_S = 120   # Serve replaces the replica: a new placement group, engine core and rank
+
+
 
 
 @pytest.mark.timeout(300, func_only=True)
@@ -341,12 +448,95 @@ def test_replica_reconfigure_stats_abort_and_health(replica):
 
 
 def test_replica_refuses_beyond_its_queue_with_an_overload_frame(replica):
-    """The replica (the HTTP ingress itself) answers work beyond queue_limit with a 503 frame, and nothing runs."""
-    limit, replica.queue_limit = replica.queue_limit, replica._streams
+    """The replica (the HTTP ingress itself) answers work beyond its request bound or its token limit with a 503
+    frame carrying a Retry-After, nothing runs, and every ticket is released."""
+    admission = replica.admission
+    limits = admission.request_limit, admission.token_limit
     try:
+        admission.request_limit = 1 + admission.requests
+        held = admission.enter()                     # the replica is full of requests
         frames = run_job(replica, GenerationJob("full-1", SamplingParams(max_tokens=4), prompt=[5, 6]))
+        held.charge(10)
+        admission.request_limit, admission.token_limit = limits[0], 12
+        too_many_tokens = run_job(replica, GenerationJob("full-2", SamplingParams(max_tokens=4), prompt=[5, 6]))
+        held.release()
     finally:
-        replica.queue_limit = limit
-    assert len(frames) == 1 and isinstance(frames[0], StreamFailure)
-    assert (frames[0].status, frames[0].code) == (503, "overloaded")
-    assert replica.engine.stats().num_running == 0 and replica._streams == 0
+        admission.request_limit, admission.token_limit = limits
+    for frame, reason in ((frames, "requests"), (too_many_tokens, "tokens")):
+        assert len(frame) == 1 and isinstance(frame[0], StreamFailure), frame
+        assert (frame[0].status, frame[0].code) == (503, "overloaded") and frame[0].retry_after_s >= 1
+        assert admission.refused[reason] >= 1
+    assert replica.engine.stats().num_running == 0
+    assert (admission.requests, admission.tokens) == (0, 0)
+    assert isinstance(run_job(replica, GenerationJob("full-3", SamplingParams(max_tokens=2), prompt=[5, 6]))[0],
+                      StreamStart)
+    assert (admission.requests, admission.tokens) == (0, 0)
+
+
+def test_replica_releases_admission_on_finish_disconnect_and_engine_failure(replica):
+    """A stream's charge (prompt + max_tokens) is held while it runs and released when it finishes, when its
+    client goes away (the stream is closed), and when the engine fails it."""
+    admission = replica.admission
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+
+    async def hold_then(end: str) -> int:
+        stream = replica.generate(GenerationJob(f"held-{end}", params, prompt=[5, 6, 7]))
+        first = await stream.__anext__()
+        assert isinstance(first, StreamStart)
+        charged = admission.tokens
+        if end == "disconnect":
+            await stream.aclose()
+        else:
+            replica.engine.fail_streams(EngineStepError("injected"))
+            with pytest.raises(Exception):
+                async for _ in stream:
+                    pass
+        return charged
+
+    for end in ("disconnect", "engine failure"):
+        assert asyncio.run(hold_then(end)) == 3 + 300
+        assert (admission.requests, admission.tokens) == (0, 0), end
+    run_job(replica, GenerationJob("held-finish", SamplingParams(max_tokens=2), prompt=[5, 6]))
+    assert (admission.requests, admission.tokens) == (0, 0)
+
+
+def test_admission_accounting():
+    """Accept, charge, refuse (tokens, then the request bound) with a Retry-After from the release rate, release
+    once per ticket; one request larger than the limit is admitted into an empty replica."""
+    now = [100.0]
+    a = Admission(token_limit=100, request_limit=3, clock=lambda: now[0])
+    t1, t2 = a.enter(), a.enter()
+    t1.charge(60)
+    with pytest.raises(Refused) as refused:
+        t2.charge(50)                                 # 60 + 50 > 100
+    assert refused.value.reason == "tokens" and refused.value.retry_after_s == RETRY_WINDOW_S   # nothing released yet
+    t2.release()                                      # a refused ticket still gives its place back
+    assert (a.requests, a.tokens, a.refused) == (1, 60, {"tokens": 1, "requests": 0})
+    now[0] += 1
+    t3 = a.enter()
+    t3.charge(40)
+    t1.release()                                      # 60 tokens released in the window: 6 tokens/s
+    t4 = a.enter()
+    with pytest.raises(Refused) as refused:
+        t4.charge(90)                                 # 40 + 90 - 100 = 30 over: 5 s at 6 tokens/s
+    assert refused.value.retry_after_s == 5
+    a.request_limit = 2
+    with pytest.raises(Refused) as refused:
+        a.enter()
+    assert refused.value.reason == "requests" and 1 <= refused.value.retry_after_s <= MAX_RETRY_AFTER_S
+    assert a.refused == {"tokens": 2, "requests": 1}
+    now[0] += RETRY_WINDOW_S + 1                      # the releases left the window
+    with pytest.raises(Refused) as refused:
+        a.enter()
+    assert refused.value.retry_after_s == RETRY_WINDOW_S
+    t3.release()
+    t4.release()
+    assert (a.requests, a.tokens) == (0, 0)
+    big = a.enter()
+    big.charge(500)                                   # alone: admitted though it exceeds the limit
+    big.release()
+    big.release()                                     # idempotent
+    snap = a.snapshot()
+    assert (snap.requests, snap.tokens, snap.token_limit, snap.refused) == (0, 0, 100, {"tokens": 2, "requests": 2})
+    assert request_tokens(10, SamplingParams(n=2, max_tokens=50), max_model_len=2048) == 110
+    assert request_tokens(10, SamplingParams(max_tokens=None), max_model_len=2048) == 2048

@@ -2,6 +2,7 @@
 consumer slower than the engine receives fewer, larger items carrying exactly the tokens, text and finish reason
 of the per-step stream."""
 import asyncio
+import json
 
 import pytest
 
@@ -10,9 +11,11 @@ from tests.support.checkpoints import make_tiny_llama
 from cluster.ingress import OpenAIRoutes
 from cluster.protocol import ChoiceDelta, StreamStart
 from cluster.replica import _merge
-from cluster.responses import ResponseBuilder
+from cluster.responses import (ChatChoice, ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse,
+                               ResponseBuilder)
 from replicas import EngineConfig, SamplingParams
 from replicas.async_engine import AsyncLLMEngine
+from replicas.outputs import Logprob
 from replicas.stream_coalescer import StreamCoalescer
 
 
@@ -151,3 +154,39 @@ def test_sse_sends_each_frame_at_once_and_the_last_with_usage_and_done():
     last = rest[1].split("\n\n")
     assert '"finish_reason":"length"' in last[0] and '"usage":' in last[1] and last[2] == "data: [DONE]" \
         and '"completion_tokens":3' in last[1]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_sse_events_equal_the_response_models_dump(kind):
+    """The stream chunks the builder encodes by hand are the pydantic response models' `model_dump(exclude_none)`:
+    opening roles, text, an empty delta, logprobs, finish reasons and the usage chunk."""
+    chat = kind == "chat"
+    builder = ResponseBuilder(kind, "id-1", "m", 2, 1, 1, include_usage=True)
+    builder.start(0, StreamStart("r", 4, []))
+    lp = [{5: Logprob(-0.5, 1, "a"), 6: Logprob(-1.5, 2, "b")}]
+    frames = [[ChoiceDelta(0, "a", [5], lp, None), ChoiceDelta(1, "", [5], lp, None)],
+              [ChoiceDelta(1, "é\"\n", [5], lp, "stop")], [ChoiceDelta(0, "", [], None, "length")]]
+    events = builder.opening_events() + "".join(builder.add_events(0, f) for f in frames) + builder.usage_event()
+    got = [json.loads(e[len("data: "):]) for e in events.split("\n\n") if e]
+
+    check = ResponseBuilder(kind, "id-1", "m", 2, 1, 1, include_usage=True)
+    want = []
+
+    def dump(choices, usage=None):
+        cls = ChatCompletionResponse if chat else CompletionResponse
+        extra = {"object": "chat.completion.chunk"} if chat else {}
+        return cls(id="id-1", created=builder.created, model="m", choices=choices, usage=usage,
+                   **extra).model_dump(exclude_none=True)
+    if chat:
+        want += [dump([ChatChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in (0, 1)]
+    for frame in frames:
+        for d in frame:
+            piece = check._logprobs_piece(d.index, d)
+            check.text_len[d.index] += len(d.text)
+            choice = (ChatChoice(index=d.index, delta=ChatDelta(content=d.text or None), logprobs=piece,
+                                 finish_reason=d.finish_reason) if chat else
+                      CompletionChoice(index=d.index, text=d.text, logprobs=piece, finish_reason=d.finish_reason))
+            want.append(dump([choice]))
+    want.append(dump([], usage=builder.usage()))
+    assert got == want
+    assert builder.usage().completion_tokens == 3 and builder.finished
