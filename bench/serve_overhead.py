@@ -7,7 +7,7 @@
 Workload: prompts of --input-len random token ids (uniform in [100, vocab - 100), seed 0), each generating
 exactly --max-tokens tokens (temperature 0, ignore_eos). Disjoint prompt sets (warm-up, idle, loaded; new ones
 every repeat), so no measured prompt finds an earlier one in its engine's prefix cache. Every path takes its
-SamplingParams from the same /v1/completions body (`CompletionRequest.sampling_params()`: detokenization
+SamplingParams from the same /v1/completions body (`CompletionRequest.sampling_params`: detokenization
 included) and runs the EngineConfig that `tidal serve` builds from the same flags (1 replica, TP 1, elastic off,
 default knobs; on a GPU each side gets its share of the GPU's memory, see GPU_MEMORY_UTILIZATION), with the
 replica's stream-item budget (`EngineConfig.serving.stream_item_ms`: both engines merge a request's outputs alike).
@@ -172,7 +172,8 @@ async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload
 # ---- the direct path --------------------------------------------------------------------------
 
 async def measure_direct(engine: AsyncLLMEngine, work: Workload) -> dict:
-    params = CompletionRequest.model_validate(completion_body("direct", [0], work.max_tokens)).sampling_params()
+    body = CompletionRequest.model_validate(completion_body("direct", [0], work.max_tokens))
+    params = body.sampling_params(engine.config.limits.max_schema_bytes)
     ids = itertools.count()
 
     async def send(prompt: list[int]) -> Stream:
