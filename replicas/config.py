@@ -209,6 +209,9 @@ class ElasticConfig(_Checked):
                                     flat="elastic_lend_after_steps", minimum=0)
     min_lend_steps: int = setting(16, "a lend reclaimed sooner than this many steps was thrash: the wait before "
                                       "the next lend doubles", flat="elastic_min_lend_steps", minimum=0)
+    budget_grants: bool = setting(True, "a max_num_batched_tokens below the one the reserve was sized for gives the "
+                                        "reserve blocks its steps no longer need to the KV pool until it rises "
+                                        "again (docs/elastic-kv.md)", flat="elastic_budget_grants")
 
 
 @dataclass(frozen=True)

@@ -539,7 +539,7 @@ class LLMEngine:
                 raise ValueError(f"max_num_batched_tokens={n} is above the {configured} "
                                  "whose activation peak this engine reserved memory for")
             self.scheduler.set_budget(n)
-            if self.elastic is not None:
+            if self.elastic is not None and self.config.elastic.budget_grants:
                 # A smaller budget's steps need less of the reserve: the rest is KV until the budget rises again.
                 target = self.runner.kv.grant_target(n, configured)
                 self._elastic_guarded(lambda: self.elastic.fit_reserve(target))

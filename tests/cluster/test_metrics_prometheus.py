@@ -313,7 +313,8 @@ def echo_drafter(folder: Path):
 
 
 def events_server_flags(drafter: Path, model_config) -> list[str]:
-    """The reserve is what the CPU KV budget holds beyond EVENTS_BASE_BLOCKS (float32 KV on CPU)."""
+    """The reserve is what the CPU KV budget holds beyond EVENTS_BASE_BLOCKS (float32 KV on CPU), all of it
+    lendable: the lowered start budget grants none of it to the base."""
     from replicas.config import EngineConfig
 
     cfg, mc = EngineConfig(), model_config
@@ -321,7 +322,7 @@ def events_server_flags(drafter: Path, model_config) -> list[str]:
     reserve = cfg.cache.kv_cache_bytes // block_bytes - EVENTS_BASE_BLOCKS
     return ["--replicas", "1", "--max-model-len", str(EVENTS_MAX_MODEL_LEN), "--max-num-seqs", str(EVENTS_MAX_SEQS),
             "--max-num-batched-tokens", str(EVENTS_BUDGET), "--knob", f"max_num_batched_tokens={EVENTS_START_BUDGET}",
-            "--elastic", "elastic", "--reserve-blocks", str(reserve),
+            "--elastic", "elastic", "--reserve-blocks", str(reserve), "--no-elastic-budget-grants",
             "--speculative", "dominotree", "--drafter", str(drafter), "--spec-budget", "4", "--spec-policy", "knee",
             "--controller", "chunk", "--controller-interval", "1", "--ttft-slo-ms", "1"]
 
