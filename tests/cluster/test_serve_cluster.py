@@ -201,7 +201,10 @@ class BackgroundStream(threading.Thread):
 
 ADMISSION_SEQS = 64
 ADMISSION_TOKENS = 8192         # --max-queued-tokens of the admission server: the burst below fits, with room
-CHUNK_TOKENS = 2                # most tokens of one SSE chunk at 64 streams (docs/serving.md, the stream-item budget)
+# Most tokens of one SSE chunk at 64 streams: the stream-item valve (docs/serving.md) lets a stream report at most
+# every (64 - 1) x 0.1 ms = 6.3 ms, and a step of 64 sequences takes well over 0.8 ms on any CPU, so a chunk carries
+# a few steps' tokens at most. The old 1 ms budget (63 ms between a stream's chunks) breaks this bound.
+CHUNK_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
