@@ -145,7 +145,7 @@ class BudgetPolicy:
         m.since_probe += 1
         if m.since_probe >= self.probe_every:
             m.since_probe, m.probe_left = 0, self.probe_steps
-        if len(m.rounds) >= self.min_rounds and len(m.plain) >= self.probe_steps:
+        if len(m.rounds) >= self.min_rounds and len(m.plain) >= max(1, self.probe_steps):
             plain = len(m.plain) / sum(m.plain)
             spec = MeasuredSteps.rate(m.rounds)
             if spec < plain:

@@ -159,7 +159,8 @@ def test_budget_shrinks_with_batch_and_turns_off():
     assert choose_budget(8, VERIFY, ACCEPT).budget == 16          # 4/23ms beats 4.5/33ms and 1/12ms
     sixty_four = choose_budget(64, VERIFY, ACCEPT)
     assert sixty_four.budget == 0 and sixty_four.speedup == 1.0   # 4/155ms < 1/30ms: no speculation
-    policy = BudgetPolicy(VERIFY, ACCEPT)
+    assert BudgetPolicy(VERIFY, ACCEPT).budget(1) == 0           # where it speculates, plain is measured first
+    policy = BudgetPolicy(VERIFY, ACCEPT, probe_steps=0)         # the profile's choices alone
     assert [policy.budget(b) for b in (1, 2, 8, 9, 64, 500)] == [16, 16, 16, 0, 0, 0]
 
 
