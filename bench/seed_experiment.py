@@ -27,13 +27,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from bench.provenance import provenance
 from bench.shapes import SHAPES, write_shape
 from cluster.controller import Controller
 from cluster.controller_policies import ControllerConfig, ReplicaView
@@ -210,14 +211,6 @@ def warm_up(engine: LLMEngine, args, vocab: int) -> None:
     engine.drain_finished_timings()
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def summarize(rows: dict[str, dict], engine: LLMEngine, args) -> dict:
     high, low = args.budgets
     bm, kv = engine.block_manager, engine.runner.kv
@@ -282,13 +275,10 @@ def main() -> None:
     warm_up(engine, args, vocab)
     trace = make_trace(args)
     rows: dict[str, dict] = {}
-    result = {"provenance": {
-        "date": time.strftime("%Y-%m-%d"), "commit": commit(),
-        "machine": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "command": "python -m bench.seed_experiment " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",)),
-        "seed": args.seed, "warm_up": "one long prompt at each budget and 8 short requests, not counted",
-        "counted": "every request of the trace; cut requests count as missed", "torch": torch.__version__},
+    result = {"provenance": provenance(
+        "bench.seed_experiment", sys.argv[1:], args.device, args.seed,
+        warm_up="one long prompt at each budget and 8 short requests, not counted",
+        counted="every request of the trace; cut requests count as missed", torch=torch.__version__),
         "trace": {"requests": len(trace), "long": sum(a.kind == "long" for a in trace),
                   "duration_s": args.duration_s},
         "tp2_status": "not run: no two-GPU machine was lent"}

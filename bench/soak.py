@@ -27,21 +27,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 import aiohttp
 import psutil
 
+from bench.provenance import provenance
 from cluster.local_server import REPO, LocalServer
 
 RSS_GROWTH_LIMIT = 0.05
@@ -313,24 +311,6 @@ def rss_verdict(samples: list[dict]) -> dict:
             "second_quarter_median_mib": round(base, 1), "last_quarter_median_mib": round(end, 1), "by_role": by_role}
 
 
-def provenance(args, argv: list[str]) -> dict:
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    machine = f"{platform.machine()}, {psutil.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
-    if args.device == "cuda":
-        import torch
-        machine = f"{torch.cuda.get_device_name()}; {machine}"
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
-            "tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")), "machine": machine,
-            "command": " ".join(["python -m bench.soak", *argv]), "seed": args.seed,
-            "warm_up": "the first quarter of the run (excluded from the memory verdict)",
-            "counted": "every request the clients sent, by kind and result; /stats and process RSS every --sample-s"}
-
-
 def report(result: dict) -> str:
     rows = [f"{'kind':<22}{'sent':>7}{'ok':>7}{'dropped':>9}{'deadline':>10}{'lost':>6}  must get"]
     for kind, counts in result["outcomes"].items():
@@ -415,7 +395,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "server_flags": flags,
         "samples": samples,
         "method": __doc__,
-        "provenance": provenance(args, argv),
+        "provenance": provenance(
+            "bench.soak", argv, args.device, args.seed,
+            warm_up="the first quarter of the run (excluded from the memory verdict)",
+            counted="every request the clients sent, by kind and result; /stats and process RSS every --sample-s"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

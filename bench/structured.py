@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-import psutil
 
+from bench.provenance import provenance
 from replicas import LLM, SamplingParams
 from replicas.structured.spec import GrammarSpec
 
@@ -108,24 +105,6 @@ def valid_outputs(llm: LLM, outputs: list[list[int]], schema: dict) -> int:
         except (ValueError, jsonschema.ValidationError):
             pass
     return ok
-
-
-def provenance(args, argv: list[str], device: str) -> dict:
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    machine = f"{platform.machine()}, {psutil.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
-    if device.startswith("cuda"):
-        import torch
-        machine = f"{torch.cuda.get_device_name()}; {machine}"
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
-            "tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")), "machine": machine,
-            "command": " ".join(["python -m bench.structured", *argv]), "seed": args.seed,
-            "warm_up": f"{args.warmup} requests per cell before its clock starts (the first compiles the grammar)",
-            "counted": "the engine's generated tokens over each cell's wall time, aborted requests' tokens included"}
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -202,7 +181,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     "mask_ms_per_step_median": round(statistics.median(masks), 4) if masks else None,
                     "finished_outputs": checked["finished"], "valid_outputs": checked["valid"]},
         "method": __doc__,
-        "provenance": provenance(args, argv, device),
+        "provenance": provenance(
+            "bench.structured", argv, device, args.seed,
+            warm_up=f"{args.warmup} requests per cell before its clock starts (the first compiles the grammar)",
+            counted="the engine's generated tokens over each cell's wall time, aborted requests' tokens included"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

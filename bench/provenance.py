@@ -1,0 +1,33 @@
+"""The provenance block every benchmark's JSON carries: when, which commit (and whether the tree differed from it),
+on what machine, with which command and seed. Each benchmark adds its own `warm_up` and `counted`."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git(*cmd: str) -> str:
+    try:
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine(device: str) -> str:
+    host = f"{platform.machine()}, {psutil.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    if device.startswith("cuda"):
+        import torch
+        host = f"{torch.cuda.get_device_name()}; {host}"
+    return host
+
+
+def provenance(module: str, argv: list[str], device: str, seed: int, **extra) -> dict:
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
+            "tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")), "machine": machine(device),
+            "command": " ".join([f"python -m {module}", *argv]), "seed": seed, **extra}
