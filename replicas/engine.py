@@ -235,8 +235,9 @@ class LLMEngine:
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         # rows of `sampling` that follow a grammar: their bitmask is filled while the forward runs
         guided = [row for row, i in enumerate(sampling) if batch.seqs[i].grammar is not None]
+        guided_seqs = [batch.seqs[sampling[r]] for r in guided]
         broken: list[tuple[Sequence, Exception]] = []
-        pending_mask = self._start_mask([batch.seqs[sampling[r]] for r in guided], broken) if guided else None
+        pending_mask = self.guided.start(guided_seqs, broken) if guided else None
         self._in_forward = True
         logits = self.runner.execute(step)
         self._in_forward = False
@@ -251,6 +252,8 @@ class LLMEngine:
                 self.eos_token_ids, self.model_config.vocab_size, logits.device, token_mask=mask)
             out = self.sampler(logits if not drafted else logits[plain_rows], sb)
             tokens = out.token_ids.tolist()
+            if guided:              # matchers advance and the next step's rows fill while the tokens are appended
+                self.guided.advance(guided_seqs, [tokens[r] for r in guided])
         now = time.monotonic()
         touched: dict[str, Request] = {}
         aux = self.runner.last_aux_hidden if spec is not None else None
@@ -264,8 +267,6 @@ class LLMEngine:
             self.block_manager.commit_full_blocks(seq, before)
         for seq, error in broken:
             self._fail_own(seq.request_id, error)
-        if guided:
-            self._accept_guided([batch.seqs[sampling[r]] for r in guided], [tokens[r] for r in guided])
         if drafted:
             seqs = [batch.seqs[i] for i in drafted]
             first_rows = [int(step.query_start_loc[i]) for i in drafted]
@@ -283,6 +284,11 @@ class LLMEngine:
                 self._fail_own(seq.request_id, e)
                 continue
             touched[seq.request_id] = req
+        if guided:
+            for seq, token in self.guided.finish_advance():
+                if seq.request_id in self.requests:     # its refused token never reaches the client
+                    self._fail_own(seq.request_id, GrammarError(f"the sampled token {token} does not match the "
+                                                                "grammar"))
         if len(self.failed) > num_failed:   # a request that failed after another of its sequences was touched
             touched = {rid: req for rid, req in touched.items() if rid in self.requests}
         self.stats.num_steps += 1
@@ -315,23 +321,6 @@ class LLMEngine:
             self.guided.attach(req.seqs, compiled)
             for seq in req.seqs:
                 self.scheduler.add(seq)
-
-    def _start_mask(self, seqs: list[Sequence], broken: list) -> Future:
-        """Start filling the bitmask rows of `seqs`; a sequence whose tokens its grammar refuses goes to `broken`
-        (its request fails once the step's forward is done: its blocks are in the step)."""
-        for seq in seqs:
-            try:
-                self.guided.sync(seq)
-            except GrammarError as e:
-                broken.append((seq, e))
-        return self.guided.fill(seqs)
-
-    def _accept_guided(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        live = [(seq, t) for seq, t in zip(seqs, tokens) if seq.request_id in self.requests]
-        accepted = self.guided.accept([seq for seq, _ in live], [t for _, t in live])
-        for (seq, token), ok in zip(live, accepted):
-            if not ok:
-                self._fail_own(seq.request_id, GrammarError(f"the sampled token {token} does not match the grammar"))
 
     # ---- failures ---------------------------------------------------------------------------
     def _fail_own(self, request_id: str, error: Exception) -> None:

@@ -11,7 +11,7 @@ Backends are loaded by module name (`BACKENDS`): nothing imports a grammar libra
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 from torch import Tensor
 
@@ -34,11 +34,15 @@ class GrammarBackend(Protocol):
     def new_matcher(self, compiled: Any) -> Any:
         """A matcher at the grammar's start."""
 
-    def fill_bitmask(self, matchers: Sequence[Any], bitmask: Tensor) -> None:
-        """Row i of the host int32 bitmask [>= len(matchers), words] := the tokens matchers[i] allows next."""
+    def fill_bitmask(self, matchers: Sequence[Any], bitmask: Tensor, rows: Optional[Sequence[int]] = None) -> None:
+        """Row rows[i] (i when `rows` is None) of the host int32 bitmask [rows, words] := the tokens matchers[i]
+        allows next."""
 
     def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
         """Advance matchers[i] by tokens[i]; False where the token does not match (that matcher is unchanged)."""
+
+    def is_terminated(self, matcher: Any) -> bool:
+        """The matcher accepted a stop token: the grammar is complete and has no next bitmask row."""
 
     def rollback(self, matcher: Any, num_tokens: int) -> None:
         """Undo the matcher's last `num_tokens` accepted tokens."""

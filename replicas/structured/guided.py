@@ -1,22 +1,29 @@
 """The engine's grammar state: one matcher per constrained sequence, each step's bitmask, accept and resync.
 
-Per step (replicas/engine.py, `LLMEngine._run`):
-  1. `sync(seq)` for each constrained sequence that samples in the step, then `fill(seqs)`, before the forward
-     is launched: a worker thread fills the host bitmask rows of those sequences. The backend's fill releases the
-     GIL, so it runs while the forward does: on CUDA `runner.execute` returns once the forward is enqueued (the
-     fill overlaps the GPU's work), on CPU torch's kernels run without the GIL (the fill takes the other cores).
-  2. `token_mask(pending, rows, device)`, after the forward: waits for the fill (by then usually done) and copies
-     the rows to the logits' device (from pinned memory, asynchronously, on CUDA); the sampler applies it
+Per step (replicas/engine.py, `LLMEngine._run`), for the constrained sequences that sample in it:
+  1. `start(seqs, broken)`, before the forward is launched: the step's bitmask rows. A row the previous step filled
+     ahead for the same sequence at the same output length is reused; the other sequences are synced and their
+     rows filled on a worker thread. The backend's fill releases the GIL, so it runs while the forward does: on
+     CUDA `runner.execute` returns once the forward is enqueued, on CPU torch's kernels run without the GIL.
+  2. `token_mask(pending, rows, device)`, after the forward: waits for the rows (by then usually ready) and copies
+     them to the logits' device (from pinned memory, asynchronously, on CUDA); the sampler applies it
      (replicas/structured/bitmask.py).
-  3. `accept(seqs, tokens)`, after sampling: one batched call advances every matcher by its sampled token.
+  3. `advance(seqs, tokens)`, right after sampling: on the worker, one batched call advances every matcher by its
+     sampled token, then the same matchers' rows are filled ahead into the other host buffer (in a steady decode
+     the next step's constrained rows are mostly the same sequences), while the engine appends the tokens.
+  4. `finish_advance()`, before the step's outputs leave: waits for 3 and returns the sequences whose sampled token
+     the grammar refused (their requests fail before that token reaches a client).
 
-Invariant: when a step starts, each matcher has accepted exactly its sequence's output tokens. A sequence's output
-only grows at its end or is cut back to a prefix; a preempted sequence recomputes its KV and keeps its tokens, so
-its matcher stands. `sync` checks the count before every fill and rolls the matcher back to the sequence's tokens
-(or accepts the ones it has not seen), so whatever changed a sequence's tokens leaves its grammar state right.
+Invariant: when a step starts, each matcher has accepted exactly `state.num_tokens` of its sequence's output
+tokens. A sequence's output only grows at its end or is cut back to a prefix; a preempted sequence recomputes its KV
+and keeps its tokens, so its matcher stands. `sync` rolls a matcher back to its sequence's tokens (or accepts the
+ones it has not seen), so whatever changed a sequence's tokens leaves its grammar state right; a row filled ahead
+is used only when the count it was filled at is still the sequence's output length. Matchers are touched by one
+thread at a time: the worker only between `advance` and `finish_advance` (or the next `start`, which waits).
 
-The host bitmask buffer is reused every step: the previous step's copy out of it has completed by the time the
-next fill starts, because the engine reads the sampled tokens back to the host (a sync) in between.
+Two host bitmask buffers alternate: the step's rows are copied to the device from one while the rows of the next
+step are filled ahead into the other; a buffer is written again only after the engine read the sampled tokens back
+(a sync), so its copy to the device has completed.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence as Seq
 
 import numpy as np
@@ -47,6 +55,17 @@ class GrammarState:
         self.matcher, self.num_tokens = matcher, 0
 
 
+@dataclass
+class _Ahead:
+    """Rows filled after a step's sampling for the next one: row i of `buffer` is seqs[i]'s (valid where counts[i],
+    the output length it was filled at, is not None)."""
+    seqs: list
+    tokens: list[int]
+    buffer: torch.Tensor
+    future: Future
+    counts: Optional[list] = None
+
+
 class GuidedDecoding:
     def __init__(self, backend: str, cache_size: int, tokenizer, vocab_size: int, stop_token_ids: Seq[int],
                  max_rows: int, device: torch.device):
@@ -55,7 +74,9 @@ class GuidedDecoding:
                                   cache_size)
         self.vocab_size, self.max_rows, self.device = vocab_size, max_rows, torch.device(device)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-bitmask")
-        self._host: Optional[torch.Tensor] = None
+        self._buffers: list[torch.Tensor] = []
+        self._step_buffer = 0                        # index of the buffer the current step's rows are in
+        self._ahead: Optional[_Ahead] = None
         self.mask_steps = 0
         self.mask_seconds: deque[float] = deque(maxlen=SAMPLES)
 
@@ -68,34 +89,93 @@ class GuidedDecoding:
         for seq in seqs:
             seq.grammar = GrammarState(backend.new_matcher(compiled))
 
-    def fill(self, seqs: Seq["Sequence"]) -> Future:
-        """Start filling the bitmask rows of `seqs` (in order, each synced) on the worker; `token_mask` collects
-        them."""
-        if self._host is None:
-            host = torch.zeros(self.max_rows, bitmask_words(self.vocab_size), dtype=torch.int32)
-            self._host = host.pin_memory() if self.device.type == "cuda" else host
-        return self._pool.submit(self._fill, [seq.grammar.matcher for seq in seqs])
+    def _buffer(self, i: int) -> torch.Tensor:
+        if not self._buffers:
+            for _ in range(2):
+                host = torch.zeros(self.max_rows, bitmask_words(self.vocab_size), dtype=torch.int32)
+                self._buffers.append(host.pin_memory() if self.device.type == "cuda" else host)
+        return self._buffers[i]
 
-    def _fill(self, matchers: list) -> torch.Tensor:
+    def start(self, seqs: Seq["Sequence"], broken: list) -> Future:
+        """The bitmask rows of `seqs` (the step's constrained sampling sequences, in row order), as a future for
+        `token_mask`; a sequence whose tokens its grammar refuses goes to `broken` (its request must fail)."""
+        ahead = self._ahead
+        if ahead is not None and ahead.counts is None:
+            self.finish_advance()                    # a step that raised before finishing: sync checks its tokens
+        self._ahead = None
+        filled = {} if ahead is None else {id(seq): (row, n) for row, (seq, n) in
+                                           enumerate(zip(ahead.seqs, ahead.counts)) if n is not None}
+        reuse_src, reuse_dst, fresh, fresh_rows = [], [], [], []
+        for row, seq in enumerate(seqs):
+            hit = filled.get(id(seq))
+            if hit is not None and hit[1] == seq.grammar.num_tokens == seq.num_output_tokens:
+                reuse_src.append(hit[0])
+                reuse_dst.append(row)
+                continue
+            try:
+                self.sync(seq)
+            except GrammarError as e:
+                broken.append((seq, e))
+            fresh.append(seq.grammar.matcher)
+            fresh_rows.append(row)
+        if not fresh and reuse_src == reuse_dst:     # the steady decode: the rows filled ahead, in place
+            self._step_buffer = 1 - self._step_buffer
+            done: Future = Future()
+            done.set_result(ahead.buffer[:len(seqs)])
+            return done
+        buffer = self._buffer(self._step_buffer)         # the previous step's: not the one holding rows to reuse
+        return self._pool.submit(self._fill_step, buffer, len(seqs), ahead.buffer if reuse_src else None,
+                                 reuse_src, reuse_dst, fresh, fresh_rows)
+
+    def _fill_step(self, buffer: torch.Tensor, n: int, ahead: Optional[torch.Tensor], reuse_src: list,
+                   reuse_dst: list, fresh: list, fresh_rows: list) -> torch.Tensor:
+        if reuse_src:
+            buffer.index_copy_(0, torch.tensor(reuse_dst), ahead.index_select(0, torch.tensor(reuse_src)))
+        if fresh:
+            self._fill(fresh, buffer, fresh_rows)
+        return buffer[:n]
+
+    def _fill(self, matchers: list, buffer: torch.Tensor, rows: Optional[list] = None) -> None:
         start = time.perf_counter()
-        rows = self._host[:len(matchers)]
-        self.cache.backend.fill_bitmask(matchers, rows)
+        self.cache.backend.fill_bitmask(matchers, buffer, rows)
         self.mask_seconds.append(time.perf_counter() - start)
         self.mask_steps += 1
-        return rows
 
     def token_mask(self, pending: Future, rows: Seq[int], device) -> TokenMask:
         """The filled bitmask on `device`; `rows` are the sampler batch's rows of the filled sequences."""
         host = pending.result()
         return TokenMask(to_device(np.asarray(rows, dtype=np.int64), device), host.to(device, non_blocking=True))
 
-    def accept(self, seqs: Seq["Sequence"], tokens: Seq[int]) -> list[bool]:
-        """Advance each sequence's matcher by its sampled token; False where the grammar refused it."""
-        states = [seq.grammar for seq in seqs]
-        accepted = self.cache.backend.accept([s.matcher for s in states], tokens)
-        for state, ok in zip(states, accepted):
+    def advance(self, seqs: Seq["Sequence"], tokens: Seq[int]) -> None:
+        """Start advancing each sequence's matcher by its sampled token and filling its next row ahead (on the
+        worker); `finish_advance` collects it."""
+        matchers, tokens = [seq.grammar.matcher for seq in seqs], list(tokens)
+        buffer = self._buffer(1 - self._step_buffer)
+        self._ahead = _Ahead(list(seqs), tokens, buffer,
+                             self._pool.submit(self._accept_and_fill, matchers, tokens, buffer))
+
+    def _accept_and_fill(self, matchers: list, tokens: list, buffer: torch.Tensor) -> tuple[list[bool], list[bool]]:
+        backend = self.cache.backend
+        accepted = backend.accept(matchers, tokens)
+        live = [not backend.is_terminated(m) for m in matchers]     # a finished grammar has no next row
+        rows = [i for i, on in enumerate(live) if on]
+        if rows:
+            self._fill([matchers[i] for i in rows], buffer, rows)
+        return accepted, live
+
+    def finish_advance(self) -> list[tuple["Sequence", int]]:
+        """Wait for `advance`; (sequence, token) where the grammar refused the sampled token (its matcher
+        unchanged)."""
+        ahead = self._ahead
+        accepted, filled = ahead.future.result()
+        ahead.counts, refused = [], []
+        for seq, token, ok, row in zip(ahead.seqs, ahead.tokens, accepted, filled):
+            state = seq.grammar
             state.num_tokens += ok
-        return accepted
+            ahead.counts.append(state.num_tokens if ok and row else None)
+            if not ok:
+                refused.append((seq, token))
+        return refused
 
     def sync(self, seq: "Sequence") -> None:
         """Bring the matcher in line with the sequence's output tokens (GrammarError if they do not match)."""

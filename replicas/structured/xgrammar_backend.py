@@ -28,6 +28,7 @@ _ANY_OBJECT = json.dumps({"type": "object"})
 _NOT_ENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
                  "dependentRequired", "dependentSchemas", "dependencies")
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
+THREADED_FILL_ROWS = 128        # bitmask rows above which xgrammar's threads fill them
 # keywords whose value is a schema, a list of schemas, or a map of names to schemas
 _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "propertyNames", "unevaluatedItems",
               "unevaluatedProperties")
@@ -62,7 +63,10 @@ class XGrammarBackend:
                                  add_prefix_space=prefix)
         # The engine keeps its own cache (replicas/structured/cache.py): xgrammar's would hold a second copy.
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        # Handing rows to xgrammar's threads costs more than filling them (a row takes about a microsecond in
+        # the common states) until the batch is large: small batches are filled on the calling thread.
         self.batch = xgr.BatchGrammarMatcher(threads)
+        self.batch_one = xgr.BatchGrammarMatcher(1)
 
     def compile(self, spec: GrammarSpec) -> Any:
         for schema in [spec.schema] if spec.kind == "json_schema" else [p for _, p in spec.tools]:
@@ -92,11 +96,15 @@ class XGrammarBackend:
     def new_matcher(self, compiled: Any) -> Any:
         return xgr.GrammarMatcher(compiled)
 
-    def fill_bitmask(self, matchers: Sequence[Any], bitmask: Tensor) -> None:
-        self.batch.batch_fill_next_token_bitmask(list(matchers), bitmask)
+    def fill_bitmask(self, matchers: Sequence[Any], bitmask: Tensor, rows: Optional[Sequence[int]] = None) -> None:
+        batch = self.batch if len(matchers) > THREADED_FILL_ROWS else self.batch_one
+        batch.batch_fill_next_token_bitmask(list(matchers), bitmask, None if rows is None else list(rows))
 
     def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
         return xgr.BatchGrammarMatcher.batch_accept_token(list(matchers), list(tokens))
+
+    def is_terminated(self, matcher: Any) -> bool:
+        return matcher.is_terminated()
 
     def rollback(self, matcher: Any, num_tokens: int) -> None:
         matcher.rollback(num_tokens)
