@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 GROUP = 32
-MAX_ROWS = 8          # the kernel's batch limit; larger batches dequantize and run the float GEMM
+MAX_ROWS = 32         # larger batches (prefill) dequantize and run the float GEMM: compute dominates there
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -75,29 +75,31 @@ static void quantize_rows(const float* x, int8_t* xq, float* xd, float* xsum, in
     }
 }
 
-/* q [N, G, 16] (nibbles), scale/zero [N, G], y [M, N] */
+/* q [N, G, 16] (nibbles), scale/zero [N, G], y [M, N]; x's rows go through in passes of 8 */
 void q4_gemm(const float* x, int8_t* xq, float* xd, float* xsum, const uint8_t* q, const float* scale,
              const float* zero, float* y, int64_t M, int64_t N, int64_t G) {
     quantize_rows(x, xq, xd, xsum, M, G);
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t n = 0; n < N; ++n) {
+    for (int64_t n = 0; n < N; ++n) for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t mm = M - m0 < 8 ? M - m0 : 8;   /* rows of x per pass; the weight row stays in L1 */
         __m256 acc[8];
         float zacc[8];
-        for (int m = 0; m < M; ++m) { acc[m] = _mm256_setzero_ps(); zacc[m] = 0.f; }
+        for (int m = 0; m < mm; ++m) { acc[m] = _mm256_setzero_ps(); zacc[m] = 0.f; }
         const uint8_t* qn = q + n * G * 16;
         for (int64_t g = 0; g < G; ++g) {
             __m128i b = _mm_loadu_si128((const __m128i*)(qn + g * 16));
             __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
             float s = scale[n * G + g], z = zero[n * G + g];
-            for (int m = 0; m < M; ++m) {
-                __m256i a = _mm256_loadu_si256((const __m256i*)(xq + (m * G + g) * 32));
+            for (int m = 0; m < mm; ++m) {
+                const int64_t r = (m0 + m) * G + g;
+                __m256i a = _mm256_loadu_si256((const __m256i*)(xq + r * 32));
                 __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
-                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[m * G + g]), _mm256_cvtepi32_ps(p), acc[m]);
-                zacc[m] += z * xsum[m * G + g];
+                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[r]), _mm256_cvtepi32_ps(p), acc[m]);
+                zacc[m] += z * xsum[r];
             }
         }
-        for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) + zacc[m];
+        for (int m = 0; m < mm; ++m) y[(m0 + m) * N + n] = hsum(acc[m]) + zacc[m];
     }
 }
 
@@ -106,21 +108,38 @@ void q8_gemm(const float* x, int8_t* xq, float* xd, float* xsum, const int8_t* q
              float* y, int64_t M, int64_t N, int64_t G) {
     quantize_rows(x, xq, xd, xsum, M, G);
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t n = 0; n < N; ++n) {
+    for (int64_t n = 0; n < N; ++n) for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int64_t mm = M - m0 < 8 ? M - m0 : 8;
         __m256 acc[8];
-        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+        for (int m = 0; m < mm; ++m) acc[m] = _mm256_setzero_ps();
         const int8_t* qn = q + n * G * 32;
         for (int64_t g = 0; g < G; ++g) {
             __m256i w = _mm256_loadu_si256((const __m256i*)(qn + g * 32));
             __m256i wabs = _mm256_sign_epi8(w, w);     /* maddubs needs an unsigned operand: |w| * sign(w) * a */
             float s = scale[n * G + g];
-            for (int m = 0; m < M; ++m) {
-                __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + (m * G + g) * 32)), w);
+            for (int m = 0; m < mm; ++m) {
+                const int64_t r = (m0 + m) * G + g;
+                __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + r * 32)), w);
                 __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, a), ones);
-                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[m * G + g]), _mm256_cvtepi32_ps(p), acc[m]);
+                acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s * xd[r]), _mm256_cvtepi32_ps(p), acc[m]);
             }
         }
-        for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]);
+        for (int m = 0; m < mm; ++m) y[(m0 + m) * N + n] = hsum(acc[m]);
+    }
+}
+
+/* w [N, G*32] = the float weight; zero NULL for 8-bit */
+void dequantize(const void* q, const float* scale, const float* zero, float* w, int64_t N, int64_t G) {
+    for (int64_t i = 0; i < N * G; ++i) {
+        float s = scale[i], z = zero ? zero[i] : 0.f;
+        float* wi = w + i * 32;
+        if (zero) {
+            const uint8_t* qi = (const uint8_t*)q + i * 16;
+            for (int j = 0; j < 16; ++j) { wi[j] = s * (qi[j] & 15) + z; wi[j + 16] = s * (qi[j] >> 4) + z; }
+        } else {
+            const int8_t* qi = (const int8_t*)q + i * 32;
+            for (int j = 0; j < 32; ++j) wi[j] = s * qi[j];
+        }
     }
 }
 """
@@ -152,7 +171,8 @@ def _library():
         return None
     lib.q4_gemm.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3
     lib.q8_gemm.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 3
-    lib.q4_gemm.restype = lib.q8_gemm.restype = None
+    lib.dequantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+    lib.q4_gemm.restype = lib.q8_gemm.restype = lib.dequantize.restype = None
     return lib
 
 
@@ -182,6 +202,12 @@ def gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
     """The float32 [N, K] weight of (q, scale, zero)."""
+    lib = _library()
+    if lib is not None and q.is_contiguous() and scale.is_contiguous() and (zero is None or zero.is_contiguous()):
+        n, g = q.shape[0], q.shape[1]
+        w = torch.empty(n, g * GROUP)
+        lib.dequantize(q.data_ptr(), scale.data_ptr(), None if zero is None else zero.data_ptr(), w.data_ptr(), n, g)
+        return w
     w = q.to(torch.float32) if zero is None else torch.cat([q & 0x0F, q >> 4], dim=-1).to(torch.float32)
     w = w * scale[..., None]
     return (w if zero is None else w + zero[..., None]).flatten(1)
