@@ -140,19 +140,23 @@ class GGUFSource:
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
     def _read_blocks(self, t, kind: str) -> QuantizedWeight:
-        """The tensor's blocks as they are: [rows, row bytes] uint8 -> per-group scales (and zeros) and quants."""
         rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)          # GGUF shapes list columns first
         if self._permuted and kind in self._heads:
             rows = _unpermute_rotary_rows(rows, self._heads[kind])    # whole rows move: blocks stay intact
-        size, header = _BLOCKS[t.tensor_type.name]
-        blocks = rows.reshape(rows.shape[0], -1, size)
-        halves = np.ascontiguousarray(blocks[..., :header]).view(np.float16).astype(np.float32)
-        scale = torch.from_numpy(np.ascontiguousarray(halves[..., 0]))
-        quants = np.ascontiguousarray(blocks[..., header:])
-        if t.tensor_type.name == "Q8_0":
-            return QuantizedWeight(torch.from_numpy(quants.view(np.int8)), scale, None)
-        zero = torch.from_numpy(np.ascontiguousarray(halves[..., 1])) if t.tensor_type.name == "Q4_1" else -8 * scale
-        return QuantizedWeight(torch.from_numpy(quants), scale, zero)
+        return quantized_weight(rows, t.tensor_type.name)
+
+
+def quantized_weight(rows: np.ndarray, type_name: str) -> QuantizedWeight:
+    """GGUF blocks as they are, uint8 [rows, row bytes] of Q4_0 / Q4_1 / Q8_0 -> the QuantizedWeight."""
+    size, header = _BLOCKS[type_name]
+    blocks = rows.reshape(rows.shape[0], -1, size)
+    halves = np.ascontiguousarray(blocks[..., :header]).view(np.float16).astype(np.float32)
+    scale = torch.from_numpy(np.ascontiguousarray(halves[..., 0]))
+    quants = np.ascontiguousarray(blocks[..., header:])
+    if type_name == "Q8_0":
+        return QuantizedWeight(torch.from_numpy(quants.view(np.int8)), scale, None)
+    zero = torch.from_numpy(np.ascontiguousarray(halves[..., 1])) if type_name == "Q4_1" else -8 * scale
+    return QuantizedWeight(torch.from_numpy(quants), scale, zero)
 
 
 def load_gguf(path: str) -> Checkpoint:
