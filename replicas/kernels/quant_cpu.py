@@ -8,8 +8,9 @@ Weights keep the GGUF block layout, one group per 32 inputs of an output row, wi
 Activations are quantized to int8 per group of 32 (llama.cpp's Q8 activations), so a group's dot product is one
 integer multiply-add chain: y[m, n] = sum_g scale[n, g] * xd[m, g] * dot(q[n, g], xq[m, g]) + zero[n, g] *
 sum(x[m, g]). That costs a relative error of about 1% per output against the float product of the dequantized
-weight. One thread: an OpenMP split stalled for milliseconds per call on a shared 2-core machine, and torch's
-batch-1 float GEMV does not split either.
+weight. Output rows are split over OpenMP threads (torch's own libgomp, so torch.set_num_threads applies and
+its pool stays warm between torch ops: a single-threaded kernel let torch's workers fall asleep between
+calls, and waking them for every small op in attention cost more than the kernel saved).
 
 torch's `_weight_int4pack_mm_for_cpu` (group-wise int4) and `_weight_int8pack_mm` (per-channel int8) have no
 vectorized AVX2 path: on an AVX2-only machine they run several times slower than the float32 GEMV they should
@@ -81,6 +82,7 @@ void q4_gemm(const float* x, int8_t* xq, float* xd, float* xsum, const uint8_t* 
     quantize_rows(x, xq, xd, xsum, M, G);
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
+    #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t mm = M - m0 < 8 ? M - m0 : 8;   /* rows of x per pass; the weight row stays in L1 */
         __m256 acc[8];
@@ -108,6 +110,7 @@ void q8_gemm(const float* x, int8_t* xq, float* xd, float* xsum, const int8_t* q
              float* y, int64_t M, int64_t N, int64_t G) {
     quantize_rows(x, xq, xd, xsum, M, G);
     const __m256i ones = _mm256_set1_epi16(1);
+    #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t mm = M - m0 < 8 ? M - m0 : 8;
         __m256 acc[8];
@@ -151,7 +154,7 @@ def _build(path: str) -> None:
         src, out = os.path.join(tmp, "quant.c"), os.path.join(tmp, "quant.so")
         with open(src, "w") as f:
             f.write(_SOURCE)
-        subprocess.run(["cc", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", src, "-o", out],
+        subprocess.run(["cc", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", src, "-o", out],
                        check=True, capture_output=True, timeout=120)
         os.replace(out, path)      # atomic: concurrent builders each install a complete file
 
