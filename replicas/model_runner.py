@@ -38,6 +38,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.quantization == "fp8" and self.device.type != "cuda":
+            raise ValueError("quantization=fp8 needs CUDA (on CPU use auto: GGUF 4/8-bit weights stay quantized)")
+        keep_quantized = config.quantization == "auto" and self.device.type == "cpu"
         self._init_distributed(init_method)
         checkpoint = checkpoint or load_checkpoint(config.model, config.load_format)
         self.model_config: ModelConfig = checkpoint.model_config
@@ -52,7 +55,7 @@ class ModelRunner:
         if config.load_format == "dummy":
             self._init_random_weights()
         else:
-            self.model.load_weights(checkpoint.weights())
+            self.model.load_weights(checkpoint.weights(keep_quantized))
         self.model.eval()
         mc = self.model_config
         self.max_model_len = min(config.scheduling.max_model_len or mc.max_position_embeddings,

@@ -6,7 +6,8 @@ by shard id so HF checkpoints load without a rewrite.
 
 Every layer's matmul goes through `_matmul`: `skinny` maps a decode batch size M to the Triton skinny GEMM
 config that beat cuBLAS for this weight shape (filled at start-up by replicas/layers/gemm_select.py); any
-other M (prefill, non-bucket batches, no table) goes to F.linear.
+other M (prefill, non-bucket batches, no table) goes to F.linear. A weight kept quantized
+(`quantize_weight`, replicas/layers/quantized_linear.py) computes its own matmul.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from replicas.distributed.parallel_state import get_tp_group, tp_size
 from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+from replicas.layers.quantized_linear import QuantizedWeight
 
 
 def _divide(a: int, b: int) -> int:
@@ -37,7 +39,18 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.skinny: dict[int, SkinnyConfig] = {}
 
+    def quantize_weight(self, bits: int) -> QuantizedWeight:
+        """Replace the float weight by an empty quantized one of the same (local) shape; the weight loaders then
+        copy quantized checkpoint tensors into it."""
+        n, k = self.weight.shape
+        del self.weight
+        self.weight = QuantizedWeight.empty(n, k, bits)
+        self.weight.weight_loader = self.weight_loader
+        return self.weight
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.linear(x, bias)
         cfg = self.skinny.get(x.shape[0]) if x.dim() == 2 else None
         if cfg is None:
             return F.linear(x, self.weight, bias)

@@ -12,11 +12,13 @@ from replicas.tokenizer import Tokenizer
 
 
 class TensorSource(Protocol):
-    """Where a checkpoint's tensors live; `names` are HF parameter names in file order."""
+    """Where a checkpoint's tensors live; `names` are HF parameter names in file order. With `keep_quantized`, a
+    linear layer's weight stored in a format the CPU kernels run (GGUF Q4_0 / Q4_1 / Q8_0) comes back as a
+    replicas.layers.quantized_linear.QuantizedWeight instead of a float tensor."""
 
     def names(self) -> list[str]: ...
 
-    def read(self, name: str) -> torch.Tensor: ...
+    def read(self, name: str, keep_quantized: bool = False) -> torch.Tensor: ...
 
 
 @dataclass
@@ -31,10 +33,11 @@ class Checkpoint:
     def weight_names(self) -> list[str]:
         return self.source.names()
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor), one tensor at a time: the checkpoint's dtype for safetensors, float32 for GGUF."""
+    def weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor), one tensor at a time: the checkpoint's dtype for safetensors, float32 for GGUF
+        (`keep_quantized`: quantized linear weights as QuantizedWeight, see TensorSource)."""
         for name in tqdm(self.source.names(), desc="Loading weights", unit="tensor"):
-            yield name, self.source.read(name)
+            yield name, self.source.read(name, keep_quantized)
 
 
 def model_config_from_hf(hf_config: dict, generation_config: dict) -> ModelConfig:

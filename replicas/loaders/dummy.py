@@ -16,7 +16,7 @@ class _NoTensors:
     def names(self) -> list[str]:
         return []
 
-    def read(self, name: str):
+    def read(self, name: str, keep_quantized: bool = False):
         raise KeyError(name)
 
 

@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): HF-style config from the metadata, dequantized float32 tensors under HF names.
+"""GGUF files (llama.cpp): HF-style config from the metadata, tensors under HF names: dequantized float32, or
+(`keep_quantized`) linear weights in Q4_0 / Q4_1 / Q8_0 as QuantizedWeight blocks.
 
 Follows HF transformers' GGUF conventions, so a state dict from here equals the one
 `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` builds.
@@ -11,6 +12,7 @@ import re
 import numpy as np
 import torch
 
+from replicas.layers.quantized_linear import QuantizedWeight
 from replicas.loaders.checkpoint import Checkpoint, model_config_from_hf
 from replicas.tokenizer import Tokenizer
 
@@ -40,6 +42,7 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_LINEAR_TENSORS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 
@@ -96,6 +99,10 @@ def _unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# block layouts (ggml-common.h): float16 d (and m for Q4_1), then the quants; w = d * q + m, Q4_0: d * (q - 8)
+_BLOCKS = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}     # (block bytes, header bytes)
+
+
 class GGUFSource:
     def __init__(self, reader, hf_config: dict):
         import gguf
@@ -118,17 +125,38 @@ class GGUFSource:
     def names(self) -> list[str]:
         return list(self._tensors)
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, keep_quantized: bool = False) -> torch.Tensor | QuantizedWeight:
         t = self._tensors[name]
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if keep_quantized and kind in _LINEAR_TENSORS and t.name.endswith(".weight") and t.tensor_type.name in _BLOCKS:
+            return self._read_blocks(t, kind)
         try:
             w = self._dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise ValueError(f"GGUF tensor {t.name}: quantization {t.tensor_type.name} is not supported") from e
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         if self._permuted and kind in self._heads:
             w = _unpermute_rotary_rows(w, self._heads[kind])
         w = np.ascontiguousarray(w, dtype=np.float32)
         return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    def _read_blocks(self, t, kind: str) -> QuantizedWeight:
+        rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)          # GGUF shapes list columns first
+        if self._permuted and kind in self._heads:
+            rows = _unpermute_rotary_rows(rows, self._heads[kind])    # whole rows move: blocks stay intact
+        return quantized_weight(rows, t.tensor_type.name)
+
+
+def quantized_weight(rows: np.ndarray, type_name: str) -> QuantizedWeight:
+    """GGUF blocks as they are, uint8 [rows, row bytes] of Q4_0 / Q4_1 / Q8_0 -> the QuantizedWeight."""
+    size, header = _BLOCKS[type_name]
+    blocks = rows.reshape(rows.shape[0], -1, size)
+    halves = np.ascontiguousarray(blocks[..., :header]).view(np.float16).astype(np.float32)
+    scale = torch.from_numpy(np.ascontiguousarray(halves[..., 0]))
+    quants = np.ascontiguousarray(blocks[..., header:])
+    if type_name == "Q8_0":
+        return QuantizedWeight(torch.from_numpy(quants.view(np.int8)), scale, None)
+    zero = torch.from_numpy(np.ascontiguousarray(halves[..., 1])) if type_name == "Q4_1" else -8 * scale
+    return QuantizedWeight(torch.from_numpy(quants), scale, zero)
 
 
 def load_gguf(path: str) -> Checkpoint:

@@ -41,7 +41,7 @@ class SafetensorsSource:
     def names(self) -> list[str]:
         return list(self._file_of)
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, keep_quantized: bool = False) -> torch.Tensor:
         return self._handles[self._file_of[name]].get_tensor(name)
 
 

@@ -15,8 +15,9 @@ from replicas.distributed.parallel_state import tp_size
 from replicas.layers.activation import SiluAndMul
 from replicas.layers.attention import PagedAttention
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from replicas.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from replicas.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from replicas.layers.norm import RMSNorm
+from replicas.layers.quantized_linear import QuantizedWeight
 from replicas.layers.rotary import RotaryEmbedding
 
 
@@ -135,7 +136,12 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[target]
-            tensor = tensor.to(param.dtype)
+            if isinstance(tensor, QuantizedWeight) and (target not in loaded or isinstance(param, QuantizedWeight)):
+                param = params[target] = self._quantized_weight(target, tensor.bits)
+            elif isinstance(tensor, QuantizedWeight):      # a fused layer whose first parts were float
+                tensor = tensor.dequantize().to(param.dtype)
+            elif not isinstance(param, QuantizedWeight):   # (a float part into a quantized layer: copy_ refuses it)
+                tensor = tensor.to(param.dtype)
             loader = getattr(param, "weight_loader", _copy_loader)
             if shard is None:
                 loader(param, tensor)
@@ -148,6 +154,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:8]}")
         return loaded
+
+    def _quantized_weight(self, target: str, bits: int) -> QuantizedWeight:
+        """The quantized weight of the linear layer owning `target`, made on its first quantized part."""
+        layer = self.get_submodule(target.rpartition(".")[0])
+        if not isinstance(layer, LinearBase):
+            raise ValueError(f"checkpoint tensor {target!r} is quantized but its layer is not a linear layer")
+        if isinstance(layer.weight, QuantizedWeight):
+            return layer.weight
+        return layer.quantize_weight(bits)
 
 
 def _copy_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(max_num_seqs=32)
+    engine = LLM(max_num_seqs=32, quantization="none")
     yield engine
     engine.shutdown()
 
