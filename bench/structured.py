@@ -76,6 +76,10 @@ class Loop:
                     if requests is None or len(finished) + len(self.in_flight) < requests:
                         self.add(params)
             steps += 1
+            failed = self.engine.take_failed()
+            if failed:                  # e.g. the grammar backend cannot load: stop, do not wait for it forever
+                rid, error = failed[0]
+                raise RuntimeError(f"benchmark request {rid} failed: {error}")
             if seconds is not None and time.perf_counter() - start >= seconds:
                 break
         wall = time.perf_counter() - start
@@ -83,8 +87,6 @@ class Loop:
             self.engine.abort(rid)
         self.in_flight.clear()
         after = self.engine.get_stats()
-        if self.engine.take_failed():
-            raise RuntimeError("a benchmark request failed")
         tokens = after.generation_tokens - before.generation_tokens
         new_masks = after.grammar_mask_steps - before.grammar_mask_steps
         masks = after.grammar_mask_latencies[-new_masks:] if new_masks else []

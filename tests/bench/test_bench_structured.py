@@ -2,6 +2,8 @@
 the result carries its ratio and provenance."""
 import json
 
+import pytest
+
 from tests.support.checkpoints import make_tiny_llama
 
 from bench.structured import main
@@ -20,3 +22,15 @@ def test_structured_bench_smoke(tmp_path):
     assert grammar["finished_outputs"] > 0 and grammar["valid_outputs"] == grammar["finished_outputs"]
     assert len(grammar["compile_ms"]) == 1 and grammar["mask_ms_per_step_median"] > 0
     assert {"date", "commit", "machine", "command"} <= set(res["provenance"])
+
+
+def test_structured_bench_stops_when_its_requests_fail(tmp_path, monkeypatch):
+    """A grammar backend that cannot load fails every constrained request: the benchmark stops with the error
+    instead of waiting forever for requests the engine has ended."""
+    from replicas.structured import backend
+
+    monkeypatch.setitem(backend.BACKENDS, "xgrammar", "tests.bench.no_such_grammar_module")
+    model = make_tiny_llama(str(tmp_path / "m"))
+    with pytest.raises(RuntimeError, match="no_such_grammar_module"):
+        main(["--model", model, "--device", "cpu", "--concurrency", "2", "--seconds", "1", "--repeats", "2",
+              "--records", "1", "--warmup", "2", "--out", str(tmp_path / "structured.json")])
