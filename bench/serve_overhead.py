@@ -68,6 +68,7 @@ from cluster.benchmark.report import Summary, request_tpot
 from cluster.local_server import LocalServer
 from cluster.replica import replica_engine_config
 from cluster.protocol import CompletionRequest
+from bench.provenance import provenance
 from bench.serve_overhead_report import (ITL_P99_TARGET_MS, THROUGHPUT_TARGET, TPOT_TARGET_MS, TTFT_TARGET_MS,
                                          progress, report, report_streaming)
 from cluster.serve_cmd import READY_TIMEOUT_S
@@ -398,7 +399,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         section = {**streaming_over_repeats(res["serve_runs"], res["direct_runs"]),
                    **{k: v for k, v in res.items() if k not in ("added_median_ttft_ms_c1", "added_median_ttft_ms_c64",
                                                                 "throughput_ratio_64", "meets_targets",
-                                                                "each_repeat", "serve", "direct")}}
+                                                                "each_repeat", "serve", "direct")},
+                   "provenance": provenance("bench.serve_overhead", list(sys.argv[1:] if argv is None else argv),
+                                            args.device, args.seed)}
         write_section(args.out, "streaming", section)
         print(f"wrote the streaming section of {args.out}")
         report_streaming(section)
