@@ -174,6 +174,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
             "kv_usage_max": round(max(kv_usage, default=0.0), 4),
             "preemptions": after.preemptions - before.preemptions,
             "lends": after.lend_total - before.lend_total, "reclaims": after.reclaim_total - before.reclaim_total,
+            "lends_refused": after.lend_refused - before.lend_refused,
             "budget_final": after.max_num_batched_tokens, "budget_median": statistics.median(budgets or [0]),
             "elastic_final": after.elastic_mode, "granted_final": after.reserve_granted_blocks,
             "decisions": decisions, "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores")}
