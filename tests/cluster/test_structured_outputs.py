@@ -57,16 +57,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def client(tidal_server):
-    return openai.OpenAI(base_url=f"{tidal_server}/v1", api_key="unused", timeout=300, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def json_schema_format(name: str, schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
