@@ -6,6 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.distributed.parallel_state import get_tp_group
+from replicas.kernels import quant_cpu
+from replicas.layers.quantized_linear import QuantizedWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,10 +35,30 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the last hidden state of each sampled sequence; full vocab on rank 0 only."""
+    """Logits for the last hidden state of each sampled sequence; full vocab on rank 0 only. With a quantized
+    checkpoint on the CPU (`keep_quantized`), batches of up to quant_cpu.MAX_ROWS rows multiply the quantized
+    shard, larger ones the float weight."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.quantized: QuantizedWeight | None = None
+
+    def keep_quantized(self, loaded: QuantizedWeight) -> None:
+        """Keep this rank's rows of the quantized [vocab, hidden] checkpoint matrix (rows past the vocabulary zero,
+        as in the float shard)."""
+        rows = min(self.shard_size, loaded.shape[0] - self.vocab_start)
+        shard = QuantizedWeight.empty(self.shard_size, loaded.shape[1], loaded.bits)
+        for t in (shard.q, shard.scale, shard.zero):
+            if t is not None:
+                t.zero_()
+        shard.narrow(0, 0, rows).copy_(loaded.narrow(0, self.vocab_start, rows))
+        self.quantized = shard
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        if self.quantized is not None and hidden.shape[0] <= quant_cpu.MAX_ROWS:
+            logits = self.quantized.linear(hidden, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp.world_size == 1:
             return logits
         full = self.tp.gather_to_first(logits, dim=-1)

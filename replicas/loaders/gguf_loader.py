@@ -42,6 +42,8 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# the vocabulary matrices, kept quantized for the LM head's matmul (the embedding lookup dequantizes them)
+_VOCAB_TENSORS = {"token_embd.weight", "output.weight"}
 _LINEAR_TENSORS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED_TENSORS = {"rope_freqs.weight"}
@@ -128,7 +130,8 @@ class GGUFSource:
     def read(self, name: str, keep_quantized: bool = False) -> torch.Tensor | QuantizedWeight:
         t = self._tensors[name]
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
-        if keep_quantized and kind in _LINEAR_TENSORS and t.name.endswith(".weight") and t.tensor_type.name in _BLOCKS:
+        linear = kind in _LINEAR_TENSORS or t.name in _VOCAB_TENSORS
+        if keep_quantized and linear and t.name.endswith(".weight") and t.tensor_type.name in _BLOCKS:
             return self._read_blocks(t, kind)
         try:
             w = self._dequantize(t.data, t.tensor_type)

@@ -106,6 +106,9 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    # a quantized vocabulary matrix loads as float and the LM head also keeps it quantized for its matmul
+    vocab_weights = ("model.embed_tokens.weight", "lm_head.weight")
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -136,6 +139,10 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[target]
+            if isinstance(tensor, QuantizedWeight) and target in self.vocab_weights:
+                if target == "lm_head.weight" or self.config.tie_word_embeddings:
+                    self.lm_head.keep_quantized(tensor)
+                tensor = tensor.dequantize()
             if isinstance(tensor, QuantizedWeight) and (target not in loaded or isinstance(param, QuantizedWeight)):
                 param = params[target] = self._quantized_weight(target, tensor.bits)
             elif isinstance(tensor, QuantizedWeight):      # a fused layer whose first parts were float
