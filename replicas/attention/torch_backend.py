@@ -2,6 +2,8 @@
 
 Decodes (one new token) are batched into one padded gather + matmul per layer; prefill chunks and
 tree verifies run one SDPA per sequence. The plan (gather indices, masks) is built once per step.
+On a CPU with a float32 cache the KV store and the decode rows run replicas/kernels/attention_cpu.py instead
+(the same arithmetic without the gathers).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from replicas.attention.context import ForwardContext
+from replicas.kernels import attention_cpu
 
 
 class TorchAttentionBackend:
@@ -27,16 +30,12 @@ class TorchAttentionBackend:
         other = [i for i in range(len(qlens)) if i not in decode_set]
         st: dict = {"decode_rows": None, "prefill": []}
         if decode:
-            max_len = max(slens[i] for i in decode)
             rows = torch.tensor(decode, device=dev)
-            pos = torch.arange(max_len, device=dev).unsqueeze(0)
-            lens = b.seq_lens[rows].unsqueeze(1).long()
-            tables = b.block_tables[rows].long()
-            blk = tables.gather(1, (pos // self.block_size).clamp_max(tables.shape[1] - 1).expand(len(decode), -1))
             st["decode_rows"] = rows
             st["decode_tokens"] = b.query_start_loc[rows].long()
-            st["decode_blk"], st["decode_off"] = blk, (pos % self.block_size).expand(len(decode), -1)
-            st["decode_mask"] = pos < lens                     # [Bd, L]
+            st["decode_lens"] = b.seq_lens[rows]
+            st["decode_tables"] = b.block_tables[rows]
+            st["decode_max_len"] = max(slens[i] for i in decode)
         starts = b.query_start_loc.tolist() if other else []
         for i in other:
             n, L = qlens[i], slens[i]
@@ -50,6 +49,17 @@ class TorchAttentionBackend:
             st["prefill"].append((starts[i], n, blk, pos % self.block_size, mask))
         ctx.backend_state["torch"] = st
 
+    def _decode_gather_plan(self, st: dict) -> None:
+        """The torch path's gather indices and mask of the decode rows, made on first use."""
+        if "decode_blk" in st:
+            return
+        tables, lens = st["decode_tables"].long(), st["decode_lens"].unsqueeze(1).long()
+        pos = torch.arange(st["decode_max_len"], device=tables.device).unsqueeze(0)
+        n = tables.shape[0]
+        st["decode_blk"] = tables.gather(1, (pos // self.block_size).clamp_max(tables.shape[1] - 1).expand(n, -1))
+        st["decode_off"] = (pos % self.block_size).expand(n, -1)
+        st["decode_mask"] = pos < lens                         # [Bd, L]
+
     @staticmethod
     def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_size: int):
         keep = slot_mapping >= 0
@@ -60,11 +70,19 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, kv_cache, ctx: ForwardContext, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens); kv_cache [NB, 2, BS, Hkv, D]. Returns [T, H, D]."""
-        self.store_kv(k, v, kv_cache, ctx.slot_mapping, self.block_size)
+        native = attention_cpu.supports(q, kv_cache)
+        if native:
+            attention_cpu.kv_store(k, v, kv_cache, ctx.slot_mapping)
+        else:
+            self.store_kv(k, v, kv_cache, ctx.slot_mapping, self.block_size)
         st = ctx.backend_state["torch"]
         out = torch.empty_like(q)
         H, Hkv = q.shape[1], k.shape[1]
-        if st["decode_rows"] is not None:
+        if st["decode_rows"] is not None and native:
+            attention_cpu.decode_attention(q, kv_cache, st["decode_tables"], st["decode_tokens"], st["decode_lens"],
+                                           st["decode_max_len"], scale, out)
+        elif st["decode_rows"] is not None:
+            self._decode_gather_plan(st)
             blk, off, mask = st["decode_blk"], st["decode_off"], st["decode_mask"]
             keys = kv_cache[blk, 0, off].float()               # [Bd, L, Hkv, D]
             vals = kv_cache[blk, 1, off].float()
