@@ -28,13 +28,14 @@ class TorchAttentionBackend:
         decode = [i for i, q in enumerate(qlens) if q == 1 and b.tree_mask is None]
         decode_set = set(decode)
         other = [i for i in range(len(qlens)) if i not in decode_set]
-        st: dict = {"decode_rows": None, "prefill": []}
+        st: dict = {"decode_rows": None, "prefill": [], "native": None}
         if decode:
             rows = torch.tensor(decode, device=dev)
             st["decode_rows"] = rows
+            # the dtypes attention_cpu.decode_attention takes (the torch path reads them as well)
             st["decode_tokens"] = b.query_start_loc[rows].long()
-            st["decode_lens"] = b.seq_lens[rows]
-            st["decode_tables"] = b.block_tables[rows]
+            st["decode_lens"] = b.seq_lens[rows].to(torch.int32)
+            st["decode_tables"] = b.block_tables[rows].to(torch.int32)
             st["decode_max_len"] = max(slens[i] for i in decode)
         starts = b.query_start_loc.tolist() if other else []
         for i in other:
@@ -70,12 +71,14 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, kv_cache, ctx: ForwardContext, scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] (new tokens); kv_cache [NB, 2, BS, Hkv, D]. Returns [T, H, D]."""
-        native = attention_cpu.supports(q, kv_cache)
+        st = ctx.backend_state["torch"]
+        native = st["native"]
+        if native is None:             # every layer's cache is a view of one pool: the first layer decides the step
+            native = st["native"] = attention_cpu.supports(q, kv_cache)
         if native:
             attention_cpu.kv_store(k, v, kv_cache, ctx.slot_mapping)
         else:
             self.store_kv(k, v, kv_cache, ctx.slot_mapping, self.block_size)
-        st = ctx.backend_state["torch"]
         out = torch.empty_like(q)
         H, Hkv = q.shape[1], k.shape[1]
         if st["decode_rows"] is not None and native:

@@ -15,19 +15,9 @@ import torch
 
 from replicas.kernels import cpu_library
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-#include <immintrin.h>
+MAX_GROUP = 64          # query heads per KV head the kernel's stack arrays hold
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
+_SOURCE = f"#define MAX_GROUP {MAX_GROUP}\n" + r"""
 /* The cache's blocks lie bs floats apart, a block's V half vh floats after its K half; within a half, BS rows of
    HD = Hkv * D floats. k, v: T rows of HD floats, rows ks / vs floats apart; slots [T] (-1: write nowhere) */
 void kv_store(const float* k, int64_t ks, const float* v, int64_t vs, float* cache, int64_t bs, int64_t vh,
@@ -54,7 +44,7 @@ void decode_attention(const float* q, int64_t qs, const float* cache, int64_t bs
         const int32_t* table = tables + b * MB;
         float* p = scratch + (b * H + hk * G) * maxlen;            /* G rows of maxlen scores */
         const float* qb = q + toks[b] * qs + hk * G * D;
-        float mx[64], sum[64];
+        float mx[MAX_GROUP], sum[MAX_GROUP];
         for (int64_t g = 0; g < G; ++g) mx[g] = -INFINITY, sum[g] = 0.f;
         for (int64_t l = 0; l < L; ++l) {
             const float* kl = cache + (int64_t)table[l / BS] * bs + (l % BS) * HD + hk * D;
@@ -89,9 +79,6 @@ void decode_attention(const float* q, int64_t qs, const float* cache, int64_t bs
     }
 }
 """
-
-MAX_GROUP = 64          # query heads per KV head the kernel's stack arrays hold
-
 
 @functools.lru_cache(maxsize=None)
 def _library():
@@ -131,15 +118,15 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, tokens: torch.Tensor,
                      lens: torch.Tensor, max_len: int, scale: float, out: torch.Tensor) -> None:
-    """out[tokens[b]] = attention of q[tokens[b]] [H, D] over the first lens[b] cached positions of block_tables[b]
-    (int32 [B, MB]); q and out [T, H, D]."""
+    """out[tokens[b]] = attention of q[tokens[b]] [H, D] over the first lens[b] cached positions of block_tables[b];
+    q and out [T, H, D]. block_tables int32 [B, MB], tokens int64 [B], lens int32 [B], each contiguous (the torch
+    backend's plan makes them so, once per step)."""
     q = _rows(q)
     assert out.stride(2) == 1 and out.stride(1) == out.shape[2]
-    tables = block_tables.to(torch.int32).contiguous()
-    toks, lens = tokens.to(torch.int64).contiguous(), lens.to(torch.int32).contiguous()
-    B, H, D = toks.shape[0], q.shape[1], q.shape[2]
+    assert block_tables.dtype == lens.dtype == torch.int32 and tokens.dtype == torch.int64
+    B, H, D = tokens.shape[0], q.shape[1], q.shape[2]
     scratch = torch.empty(B * H * max_len)
     _library().decode_attention(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
-                                tables.data_ptr(), tables.shape[1],
-                                toks.data_ptr(), lens.data_ptr(), B, H, kv_cache.shape[3], D, kv_cache.shape[2],
+                                block_tables.data_ptr(), block_tables.shape[1],
+                                tokens.data_ptr(), lens.data_ptr(), B, H, kv_cache.shape[3], D, kv_cache.shape[2],
                                 scale, scratch.data_ptr(), max_len, out.data_ptr(), out.stride(0))

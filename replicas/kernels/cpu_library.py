@@ -16,6 +16,23 @@ log = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
+# What every source starts with: headers, INLINE, and hsum (the sum of a vector's 8 lanes)
+PRELUDE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <immintrin.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+"""
+
 
 def _build(source: str, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -28,10 +45,11 @@ def _build(source: str, path: str) -> None:
 
 
 def load(name: str, source: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """The built library of `source` with each function's argument types set (all return void), or None where it
-    cannot be built (no AVX2, no compiler): the caller then takes its torch path."""
+    """The built library of PRELUDE + `source` with each function's argument types set (all return void), or None
+    where it cannot be built (no AVX2, no compiler): the caller then takes its torch path."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
+    source = PRELUDE + source
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     path = os.path.join(os.path.expanduser("~"), ".cache", "tidal", f"{name}_{digest}.so")
     try:
