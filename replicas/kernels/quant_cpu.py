@@ -31,18 +31,7 @@ GROUP = 32
 MAX_ROWS = 32         # larger batches (prefill) dequantize and run the float GEMM: compute dominates there
 
 _SOURCE = r"""
-#include <stdint.h>
-#include <immintrin.h>
-
-#define INLINE static inline __attribute__((always_inline))
 #define ROWS 4
-
-INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* dot(w, x) of one group of 32 as 8 float partial sums */
 INLINE __m256 group_dot(const __m256 w[4], const float* xg) {
@@ -123,6 +112,7 @@ void q8_gemm(const float* x, const int8_t* q, const float* scale, float* y, int6
 
 /* w [N, G*32] = the float weight; zero NULL for 8-bit */
 void dequantize(const void* q, const float* scale, const float* zero, float* w, int64_t N, int64_t G) {
+    #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < N * G; ++i) {
         float s = scale[i], z = zero ? zero[i] : 0.f;
         float* wi = w + i * 32;

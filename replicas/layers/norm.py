@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from replicas.kernels import elementwise_cpu
+
 
 class RMSNorm(nn.Module):
     """RMSNorm in float32; with `residual`, fuses the residual add: returns (normed, new residual)."""
@@ -22,6 +24,10 @@ class RMSNorm(nn.Module):
         if x.is_cuda:                       # one fused Triton kernel (add + norm) on the GPU
             from replicas.kernels.elementwise import rms_norm
             out, new_residual = rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, new_residual)
+        if (x.dim() in (2, 3) and elementwise_cpu.supports(x) and self.weight.dtype == torch.float32
+                and (residual is None or (residual.is_contiguous() and elementwise_cpu.supports(residual)))):
+            out, new_residual = elementwise_cpu.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)

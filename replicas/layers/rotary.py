@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from replicas.kernels import elementwise_cpu
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -36,10 +38,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, Hkv, D]; returns them rotated (in place on the GPU, copies on the CPU)."""
+        """q [T, H, D], k [T, Hkv, D]; returns them rotated (in place with the Triton or C kernel, else copies)."""
         if q.is_cuda:
             from replicas.kernels.elementwise import apply_rotary
             apply_rotary(q, k, positions, self.cos_sin)
+            return q, k
+        if elementwise_cpu.supports(q) and elementwise_cpu.supports(k):
+            elementwise_cpu.apply_rotary(q, k, positions, self.cos_sin)
             return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
