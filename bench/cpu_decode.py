@@ -2,7 +2,7 @@
 Q4_1 GGUF) with `quantization=auto` (linear weights stay Q4_1, replicas/kernels/quant_cpu.py) against
 `quantization=none` (dequantized to float32), in one process.
 
-    python -m bench.cpu_decode [--out bench/results/cpu_decode.json] [--tokens 128] [--reps 2]
+    python -m bench.cpu_decode [--out bench/results/cpu_decode.json] [--tokens 256] [--reps 3]
 
 (a) Batch-1 decode tok/s: one held-out ShareGPT prompt (bench/data/sharegpt_heldout.json, the first), T=0,
 ignore_eos, --tokens generated tokens per cell; counted = generated tokens / wall time of `LLM.generate`
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(REPO, "bench/results/cpu_decode.json"))
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--agree-tokens", type=int, default=32)
     ap.add_argument("--ppl-tokens", type=int, default=512)
