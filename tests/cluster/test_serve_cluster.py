@@ -90,9 +90,10 @@ def stream_completion(client, prompt: str) -> tuple[str, str]:
 @pytest.fixture
 def float_server(tidal_server_factory) -> str:
     """Two replicas of the default model on float weights. Greedy outputs equal the offline engine's only where a
-    row's logits do not depend on the batch it ran in: the quantized CPU kernel (int8 activations, decode-sized
-    batches) and the float GEMM of larger batches round differently, so under `quantization=auto` a near-tie may
-    go either way with the batch (tests/replicas/test_quantized_linear.py holds that path to a near-tie rule)."""
+    row's logits do not depend on the batch it ran in: the quantized CPU kernel (decode-sized batches) and the
+    float GEMM of the dequantized weight (larger batches) sum in different orders, so under `quantization=auto` a
+    near-tie may go either way with the batch (tests/replicas/test_quantized_linear.py holds that path to a
+    near-tie rule)."""
     server = tidal_server_factory("--replicas", "2", "--quantization", "none")
     yield server.url
     server.stop()               # its only user is done: no idle cluster beside the module's other servers
