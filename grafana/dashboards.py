@@ -111,6 +111,18 @@ SERVING = DashboardDef(
                        "{{replica}}"),), "Prompt tokens served from the prefix cache / tokens looked up."),
             PanelDef("Preemptions", "ops", (Target(rate("tidal:num_preemptions_total"), "{{replica}}"),)),
         )),
+        RowDef("Structured outputs", (
+            PanelDef("Constrained requests by kind", "reqps",
+                     (Target(rate("tidal:constrained_requests_total", "kind"), "{{kind}}"),),
+                     "Requests with a grammar (json_schema, json_object, a forced tool call) or a logit_bias."),
+            PanelDef("Compiled-grammar cache hit rate", "percentunit", (
+                Target(f'{rate("tidal:grammar_cache_hits_total")} / ({rate("tidal:grammar_cache_hits_total")}'
+                       f' + {rate("tidal:grammar_compile_seconds_count")})', "{{replica}}"),),
+                     "Grammar requests served from the cache / all grammar requests (hits + compiles)."),
+            latency_panel("Grammar compile time", "tidal:grammar_compile_seconds"),
+            PanelDef("Grammar mask time per step", "s", quantile_targets("tidal:grammar_mask_seconds"),
+                     "Host time to fill one step's token bitmask; it overlaps the forward."),
+        )),
     ),
 )
 
@@ -170,6 +182,10 @@ SPEC_DECODE = DashboardDef(
                 Target(rate("tidal:spec_decode_num_draft_tokens_total"), "drafted {{replica}}"),
                 Target(rate("tidal:spec_decode_num_accepted_tokens_total"), "accepted {{replica}}"),
             )),
+            PanelDef("Constrained rows decoded plainly", "ops",
+                     (Target(rate("tidal:spec_decode_constrained_plain_total"), "{{replica}}"),),
+                     "Decode rows of requests with a grammar or logit_bias that did not draft where they would "
+                     "have (docs/structured_outputs.md)."),
         )),
     ),
 )
