@@ -1,13 +1,16 @@
 """Engine benchmark (GPU): offline throughput and roofline fractions.
 
-    python -m bench.engine [--shapes qwen3-0.6b,llama3-8b,smollm2] [--num-seqs 256] [--out bench/results/engine.json]
+    python -m bench.engine [--shapes qwen3-0.6b,llama3-8b,smollm2] [--num-seqs 256] [--quantization bf16,fp8]
+                           [--out bench/results/engine.json]
 
 Workload (nano-vllm / mini-sglang): 256 sequences, input and output lengths uniform in [100, 1024], random
 token ids, ignore_eos, seed 0; first a warm-up workload drawn the same way with seed 1 (Triton compiles a kernel
 for each new shape it meets: a short warm-up left that compilation inside the measured run; other tokens, so no
 prefix-cache hit carries over). Throughput counts generated tokens only, over the wall time of the measured
 `LLM.generate` call (scheduling, sampling and Python included).
-Random bf16 weights for the Qwen3-0.6B and Llama-3-8B shapes; SmolLM2-135M's real GGUF weights.
+Random bf16 weights for the Qwen3-0.6B and Llama-3-8B shapes; SmolLM2-135M's real GGUF weights. With
+`--quantization bf16,fp8` each shape also runs with FP8 linear weights (replicas/layers/fp8_linear.py), its
+bytes counted as stored (one byte a weight plus the row scales).
 Roofline: decode step = one graph-replayed forward of B sequences (B = 64, 128, 256; the profiled one is
 64, the workload's own steady state is 256 running) at a fixed context, counted bytes =
 every weight once + the K/V of every context token once; prefill = one 8192-token chunk, counted FLOPs =
@@ -31,6 +34,7 @@ from bench.shapes import SHAPES, write_shape
 from bench.roofline import Ceilings, classify_step, cuda_time_ms, print_profile, profile_kernels
 from memory.block_manager import BlockManager
 from replicas import LLM, SamplingParams
+from replicas.layers.fp8_linear import Fp8Weight
 from replicas.scheduler import ScheduledBatch
 from replicas.sequence import Sequence
 from replicas.step_input import StepInput
@@ -54,10 +58,26 @@ def make_llm(shape: str, **kw) -> LLM:
     return LLM(model=write_shape(shape), load_format="dummy", **kw)
 
 
+def _forward_weights(model):
+    """(name, tensor, counts as parameters) of every weight a forward reads: the parameters (an embedding only
+    as the tied LM head), and FP8 weights' values and their scales (read, not parameters)."""
+    for name, p in model.named_parameters():
+        if "embed_tokens" not in name:
+            yield name, p, True
+    if model.config.tie_word_embeddings:
+        yield "lm_head.weight", model.lm_head.weight, True
+    for name, mod in model.named_modules():
+        if isinstance(mod, Fp8Weight):
+            yield f"{name}.q", mod.q, True
+            yield f"{name}.scale", mod.scale, False
+
+
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n
-               ) + (model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-                    if model.config.tie_word_embeddings else 0)
+    return sum(t.numel() * t.element_size() for _, t, _ in _forward_weights(model))
+
+
+def weight_params(model) -> int:
+    return sum(t.numel() for _, t, counted in _forward_weights(model) if counted)
 
 
 def fake_batch(engine, batch: int, ctx: int, new_tokens: int) -> tuple[ScheduledBatch, list[Sequence]]:
@@ -101,7 +121,7 @@ def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefi
              decode_batches: tuple[int, ...] = ()) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     mc, model = engine.model_config, runner.model
-    wbytes = weight_bytes(model)
+    wbytes, params = weight_bytes(model), weight_params(model)
     elem = torch.tensor([], dtype=runner.dtype).element_size()
     kv_per_token = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * elem
     out = {"weight_bytes": wbytes,
@@ -112,7 +132,7 @@ def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefi
     batch, seqs = fake_batch(engine, decode_batch, decode_ctx, 1)
     step = StepInput.from_batch(batch, engine.config.cache.block_size)
     kv_bytes = decode_batch * decode_ctx * kv_per_token
-    lin_flops = 2 * (wbytes / elem) * decode_batch
+    lin_flops = 2 * params * decode_batch
     attn_flops = 4 * decode_batch * decode_ctx * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
     out["decode_top_kernels_ms"], out["prefill_top_kernels_ms"] = [], []
     out["decode_profile"] = classify_step(profile_kernels(lambda: runner.execute(step),
@@ -124,7 +144,7 @@ def roofline(llm: LLM, ceil: Ceilings, decode_batch: int, decode_ctx: int, prefi
     t = time_step(runner, step, iters=5)
     T = prefill_tokens
     attn = 2 * 2 * (T * T / 2) * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
-    flops = 2 * (wbytes / elem - mc.vocab_size * mc.hidden_size) * T + attn + 2 * mc.vocab_size * mc.hidden_size
+    flops = 2 * (params - mc.vocab_size * mc.hidden_size) * T + attn + 2 * mc.vocab_size * mc.hidden_size
     out.update(prefill_tokens=T, prefill_step_ms=t * 1e3, prefill_tflops=flops / t / 1e12,
                prefill_matmul_fraction=flops / t / ceil.matmul_flops_per_s)
     out["prefill_profile"] = classify_step(profile_kernels(lambda: runner.execute(step), iters=2,
@@ -170,16 +190,19 @@ def hf_throughput(shape: str, prompts, lens, n: int = 32) -> dict:
             "hf_output_tok_s": sum(sub_lens) / dt}
 
 
-def bench_shape(shape: str, args, ceil: Ceilings) -> dict:
-    """One engine's figures; the engine is gone (its memory free) when this returns."""
+def bench_shape(shape: str, args, ceil: Ceilings, quantization: str = "bf16") -> dict:
+    """One engine's figures (`quantization`: bf16, or fp8 weights); the engine is gone (its memory free) when this
+    returns."""
     vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else 49152
     prompts, lens = workload(args.num_seqs, vocab)
     warm_prompts, warm_lens = workload(args.num_seqs, vocab, seed=1)
     reference = args.attention_backend == "torch"
     extra = dict(attention_backend="torch", enforce_eager=True) if reference else {}
+    if quantization == "fp8":
+        extra["quantization"] = "fp8"
     llm = make_llm(shape, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.85, **extra)
-    r = {"kv_blocks": llm.engine.block_manager.num_base, "attention_backend": llm.engine.runner.backend.name,
-         "cuda_graphs": llm.engine.runner.graphs is not None}
+    r = {"quantization": quantization, "kv_blocks": llm.engine.block_manager.num_base,
+         "attention_backend": llm.engine.runner.backend.name, "cuda_graphs": llm.engine.runner.graphs is not None}
     r.update(offline_throughput(llm, prompts, lens, (warm_prompts, params_of(warm_lens))))
     if shape in SHAPES and not reference:
         r.update(roofline(llm, ceil, decode_batch=args.decode_batch, decode_ctx=1024, prefill_tokens=8192,
@@ -189,7 +212,7 @@ def bench_shape(shape: str, args, ceil: Ceilings) -> dict:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    if shape == args.hf_shape and not args.no_hf:
+    if shape == args.hf_shape and not args.no_hf and quantization == "bf16":
         r.update(hf_throughput(shape, prompts, lens))
         r["throughput_vs_hf"] = r["output_tok_s"] / r["hf_output_tok_s"]
     return r
@@ -204,10 +227,16 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch"],
                     help="torch: the reference backend, eager (the starting point), throughput only")
     ap.add_argument("--decode-batch", type=int, default=64, help="the decode step profiled and reported")
-    ap.add_argument("--decode-batches", default="64,128,256", help="decode steps also timed (same context)")
+    ap.add_argument("--decode-batches", default="1,64,128,256", help="decode steps also timed (same context)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    ap.add_argument("--quantization", default="bf16",
+                    help="comma-separated, of bf16 and fp8: each shape runs once per entry; an fp8 run is reported "
+                         "as shape:fp8 with its speed-ups over bf16 under fp8_vs_bf16")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
+    quantizations = args.quantization.split(",")
+    if not set(quantizations) <= {"bf16", "fp8"}:
+        ap.error(f"--quantization takes bf16 and fp8, not {args.quantization!r}")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("replicas.layers.gemm_select").setLevel(logging.INFO)      # the per-shape GEMM choices
     torch.manual_seed(0)
@@ -216,9 +245,12 @@ def main() -> None:
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "method": __doc__.strip(), "shapes": {}}
     for shape in args.shapes.split(","):
-        res["shapes"][shape] = bench_shape(shape, args, ceil)
-        gc.collect()
-        torch.cuda.empty_cache()       # the next engine sizes its KV pool from the memory free now
+        for q in quantizations:
+            res["shapes"][shape if q == "bf16" else f"{shape}:{q}"] = bench_shape(shape, args, ceil, q)
+            gc.collect()
+            torch.cuda.empty_cache()       # the next engine sizes its KV pool from the memory free now
+    res["fp8_vs_bf16"] = {shape: fp8_speedups(res["shapes"][shape], res["shapes"][f"{shape}:fp8"])
+                          for shape in args.shapes.split(",") if "fp8" in quantizations and "bf16" in quantizations}
     big = res["shapes"].get("llama3-8b", {})
     res["decode_bw_fraction"] = big.get("decode_bw_fraction")
     res["prefill_matmul_fraction"] = big.get("prefill_matmul_fraction")
@@ -233,6 +265,18 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2, default=float)
     print(f"wrote {args.out}")
+
+
+def fp8_speedups(bf16: dict, fp8: dict) -> dict:
+    """fp8's speed over bf16's: output throughput, each timed decode batch (step time), the prefill step."""
+    out = {"output_tok_s": fp8["output_tok_s"] / bf16["output_tok_s"]}
+    steps = {p["batch"]: p["step_ms"] for p in bf16.get("decode_by_batch", [])}
+    for p in fp8.get("decode_by_batch", []):
+        if p["batch"] in steps:
+            out[f"decode_b{p['batch']}"] = steps[p["batch"]] / p["step_ms"]
+    if "prefill_step_ms" in bf16 and "prefill_step_ms" in fp8:
+        out["prefill"] = bf16["prefill_step_ms"] / fp8["prefill_step_ms"]
+    return out
 
 
 def report(res: dict) -> None:
@@ -253,6 +297,8 @@ def report(res: dict) -> None:
         for p in r.get("decode_by_batch", []):
             print(f"{shape} decode B={p['batch']:<4} ctx={p['ctx']}: {p['step_ms']:.2f} ms, "
                   f"{p['bw_fraction']:.3f} of copy BW, graphs={p['graphs']}")
+    for shape, speedups in res.get("fp8_vs_bf16", {}).items():
+        print(f"{shape} fp8 / bf16: " + ", ".join(f"{k} {v:.2f}x" for k, v in speedups.items()))
     for k in ("decode_bw_fraction", "prefill_matmul_fraction", "attention_decode_bw_fraction",
               "tree_mask_overhead", "throughput_vs_hf"):
         print(f"{k}: {res.get(k)}")

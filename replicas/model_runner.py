@@ -38,8 +38,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.quantization == "fp8" and self.device.type != "cuda":
-            raise ValueError("quantization=fp8 needs CUDA (on CPU use auto: GGUF 4/8-bit weights stay quantized)")
         keep_quantized = config.quantization == "auto" and self.device.type == "cpu"
         self._init_distributed(init_method)
         checkpoint = checkpoint or load_checkpoint(config.model, config.load_format)
@@ -56,6 +54,8 @@ class ModelRunner:
             self._init_random_weights()
         else:
             self.model.load_weights(checkpoint.weights(keep_quantized))
+        if config.quantization == "fp8":
+            self._weights_to_fp8()
         self.model.eval()
         mc = self.model_config
         self.max_model_len = min(config.scheduling.max_model_len or mc.max_position_embeddings,
@@ -74,6 +74,16 @@ class ModelRunner:
             layer.backend = self.backend
 
     # ---- set-up -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _weights_to_fp8(self) -> None:
+        from replicas.layers.linear import LinearBase
+        layers = [m for m in self.model.modules() if isinstance(m, LinearBase)]
+        converted = sum(layer.to_fp8() for layer in layers)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()          # the float weights' memory back to the device, for the KV pool
+        log.info("quantization=fp8: %d of %d linear layers in FP8 (the others' shapes do not fit FP8 GEMMs)",
+                 converted, len(layers))
+
     @torch.no_grad()
     def _init_random_weights(self) -> None:
         gen = torch.Generator(self.device).manual_seed(self.config.seed + self.rank)

@@ -177,8 +177,10 @@ class GraphTimer:
 
 
 def skinny_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's linear layers that can dispatch to the skinny GEMM (they hold a `skinny` table)."""
-    return [mod for mod in model.modules() if hasattr(mod, "skinny") and getattr(mod, "weight", None) is not None]
+    """The model's linear layers that can dispatch to the skinny GEMM: they hold a `skinny` table and a float
+    weight (an FP8 or GGUF-quantized weight computes its own matmul)."""
+    return [mod for mod in model.modules() if hasattr(mod, "skinny") and isinstance(getattr(mod, "weight", None),
+                                                                                     nn.Parameter)]
 
 
 def apply_table(model: nn.Module, table: GemmTable) -> None:

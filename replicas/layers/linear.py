@@ -7,7 +7,8 @@ by shard id so HF checkpoints load without a rewrite.
 Every layer's matmul goes through `_matmul`: `skinny` maps a decode batch size M to the Triton skinny GEMM
 config that beat cuBLAS for this weight shape (filled at start-up by replicas/layers/gemm_select.py); any
 other M (prefill, non-bucket batches, no table) goes to F.linear. A weight kept quantized
-(`quantize_weight`, replicas/layers/quantized_linear.py) computes its own matmul.
+(`quantize_weight`, replicas/layers/quantized_linear.py) or in FP8 (`to_fp8`, replicas/layers/fp8_linear.py)
+computes its own matmul.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from replicas.distributed.parallel_state import get_tp_group, tp_size
 from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+from replicas.layers.fp8_linear import Fp8Weight, fits
 from replicas.layers.quantized_linear import QuantizedWeight
 
 
@@ -48,8 +50,18 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         return self.weight
 
+    def to_fp8(self) -> bool:
+        """Replace the loaded float weight by its FP8 form (replicas/layers/fp8_linear.py); False where the shape
+        does not fit FP8 GEMMs and the weight stays as it is."""
+        if not isinstance(self.weight, nn.Parameter) or not fits(*self.weight.shape):
+            return False
+        fp8 = Fp8Weight.from_float(self.weight.data)
+        del self.weight
+        self.weight = fp8
+        return True
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(self.weight, QuantizedWeight):
+        if isinstance(self.weight, (QuantizedWeight, Fp8Weight)):
             return self.weight.linear(x, bias)
         cfg = self.skinny.get(x.shape[0]) if x.dim() == 2 else None
         if cfg is None:

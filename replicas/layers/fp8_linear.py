@@ -1,0 +1,63 @@
+"""A linear layer's weight in FP8 (E4M3) with one float32 scale per output channel (`quantization=fp8`).
+
+`Fp8Weight` takes the place of a LinearBase's float `weight` once the checkpoint is loaded
+(`LinearBase.to_fp8`): w[n, :] ~ scale[n] * q[n, :], scale[n] = max|w[n, :]| / 448. Activations are quantized per
+token at run time (dynamic: the same rule over each input row), and the product runs in `torch._scaled_mm` with
+the row scales of both sides, accumulating in float32 and writing the activation dtype:
+
+    y[m, n] = xs[m] * scale[n] * sum_k xq[m, k] * q[n, k]
+
+Decode reads the weight at one byte per element, half of bf16's. `torch._scaled_mm` wants K and N multiples of 16
+(`fits`); a layer that is not stays in its float dtype. The LM head, embeddings and norms are not linear layers
+here and stay as they are. Calibrated static activation scales are not used: dynamic per-token scales need no
+calibration data and bound each row's error by its own range.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+MIN_SCALE = 1e-12          # an all-zero row gets this scale (its quants are 0 either way)
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q FP8 [R, K], scale float32 [R]) with t[r] ~ scale[r] * q[r]: each row scaled so its largest magnitude is
+    FP8_MAX, rounded to nearest."""
+    t = t.float()
+    scale = (t.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (t / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    return out_features % 16 == 0 and in_features % 16 == 0
+
+
+class Fp8Weight(nn.Module):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        if q.dtype != FP8 or q.dim() != 2 or scale.shape != q.shape[:1] or scale.dtype != torch.float32:
+            raise ValueError(f"not an FP8 weight with row scales: q {tuple(q.shape)} {q.dtype}, "
+                             f"scale {tuple(scale.shape)} {scale.dtype}")
+        self.register_buffer("q", q.contiguous(), persistent=True)
+        self.register_buffer("scale", scale.contiguous(), persistent=True)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> "Fp8Weight":
+        return cls(*quantize_rows(weight))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.unsqueeze(1)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        xq, xs = quantize_rows(rows)
+        y = torch._scaled_mm(xq, self.q.t(), scale_a=xs.unsqueeze(1), scale_b=self.scale.unsqueeze(0), out_dtype=x.dtype,
+                             bias=None if bias is None else bias.to(x.dtype))
+        return y.view(*x.shape[:-1], -1)
