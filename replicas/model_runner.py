@@ -38,9 +38,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        keep_quantized = config.quantization == "auto" and self.device.type == "cpu"
         self._init_distributed(init_method)
         checkpoint = checkpoint or load_checkpoint(config.model, config.load_format)
+        # a checkpoint's own quantized format stays where a kernel runs it: GGUF blocks on the CPU, FP8 on a GPU
+        # (and wherever fp8 is asked for); otherwise its weights load dequantized
+        stored, cuda = checkpoint.source.quantized_format, self.device.type == "cuda"
+        keep_quantized = (stored == "gguf" and config.quantization == "auto" and not cuda) or (
+            stored == "fp8" and (config.quantization == "fp8" or (config.quantization == "auto" and cuda)))
         self.model_config: ModelConfig = checkpoint.model_config
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
@@ -76,13 +80,15 @@ class ModelRunner:
     # ---- set-up -----------------------------------------------------------------------------
     @torch.no_grad()
     def _weights_to_fp8(self) -> None:
+        from replicas.layers.fp8_linear import Fp8Weight
         from replicas.layers.linear import LinearBase
         layers = [m for m in self.model.modules() if isinstance(m, LinearBase)]
         converted = sum(layer.to_fp8() for layer in layers)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()          # the float weights' memory back to the device, for the KV pool
-        log.info("quantization=fp8: %d of %d linear layers in FP8 (the others' shapes do not fit FP8 GEMMs)",
-                 converted, len(layers))
+        in_fp8 = sum(isinstance(layer.weight, Fp8Weight) for layer in layers)
+        log.info("quantization=fp8: %d of %d linear layers in FP8 (%d quantized here, %d loaded in FP8; the "
+                 "others' shapes do not fit FP8 GEMMs)", in_fp8, len(layers), converted, in_fp8 - converted)
 
     @torch.no_grad()
     def _init_random_weights(self) -> None:

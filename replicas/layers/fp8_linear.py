@@ -1,7 +1,8 @@
 """A linear layer's weight in FP8 (E4M3) with one float32 scale per output channel (`quantization=fp8`).
 
-`Fp8Weight` takes the place of a LinearBase's float `weight` once the checkpoint is loaded
-(`LinearBase.to_fp8`): w[n, :] ~ scale[n] * q[n, :], scale[n] = max|w[n, :]| / 448. Activations are quantized per
+`Fp8Weight` takes the place of a LinearBase's float `weight`, either loaded from a checkpoint published in FP8
+with per-tensor or per-channel scales (replicas/loaders/fp8_checkpoint.py) or made from the loaded float weight
+(`LinearBase.to_fp8`): w[n, :] ~ scale[n] * q[n, :], scale[n] = max|w[n, :]| / 448 when tidal quantizes. Activations are quantized per
 token at run time (dynamic: the same rule over each input row), and the product runs in `torch._scaled_mm` with
 the row scales of both sides, accumulating in float32 and writing the activation dtype:
 
@@ -36,21 +37,51 @@ def fits(out_features: int, in_features: int) -> bool:
 
 
 class Fp8Weight(nn.Module):
+    """q FP8 [N, K] and scale float32 [N]. Like QuantizedWeight it answers the slicing the TP weight loaders use
+    (`narrow`, `copy_`, `shape`), so a checkpoint published in FP8 loads its fused and sharded layers through
+    the same `weight_loader`s as float weights: a slice of input columns keeps its rows' scales."""
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         super().__init__()
         if q.dtype != FP8 or q.dim() != 2 or scale.shape != q.shape[:1] or scale.dtype != torch.float32:
             raise ValueError(f"not an FP8 weight with row scales: q {tuple(q.shape)} {q.dtype}, "
                              f"scale {tuple(scale.shape)} {scale.dtype}")
-        self.register_buffer("q", q.contiguous(), persistent=True)
-        self.register_buffer("scale", scale.contiguous(), persistent=True)
+        self.register_buffer("q", q, persistent=True)
+        self.register_buffer("scale", scale, persistent=True)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> "Fp8Weight":
         return cls(*quantize_rows(weight))
 
+    @classmethod
+    def empty(cls, out_features: int, in_features: int) -> "Fp8Weight":
+        return cls(torch.empty(out_features, in_features, dtype=FP8), torch.empty(out_features))
+
+    # ---- the tensor surface the TP weight loaders use ----------------------------------------------------
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+    @property
+    def data(self) -> "Fp8Weight":
+        return self
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> "Fp8Weight":
+        """A view of rows (dim 0: with their scales) or of input columns (dim 1: the rows' scales unchanged)."""
+        return Fp8Weight(self.q.narrow(dim, start, length), self.scale.narrow(0, start, length) if dim == 0
+                         else self.scale)
+
+    def copy_(self, other: "Fp8Weight") -> "Fp8Weight":
+        if not isinstance(other, Fp8Weight) or other.shape != self.shape:
+            raise ValueError(f"an FP8 weight {tuple(self.shape)} cannot take "
+                             f"{'an FP8' if isinstance(other, Fp8Weight) else 'a float'} tensor "
+                             f"{tuple(other.shape)} (a fused layer whose parts differ in format)")
+        self.q.copy_(other.q)
+        self.scale.copy_(other.scale)
+        return self
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale.unsqueeze(1)

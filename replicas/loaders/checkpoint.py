@@ -12,9 +12,12 @@ from replicas.tokenizer import Tokenizer
 
 
 class TensorSource(Protocol):
-    """Where a checkpoint's tensors live; `names` are HF parameter names in file order. With `keep_quantized`, a
-    linear layer's weight stored in a format the CPU kernels run (GGUF Q4_0 / Q4_1 / Q8_0) comes back as a
-    replicas.layers.quantized_linear.QuantizedWeight instead of a float tensor."""
+    """Where a checkpoint's tensors live; `names` are HF parameter names in file order. `quantized_format`: "gguf"
+    or "fp8" when linear weights are stored quantized, else None. With `keep_quantized`, a linear layer's weight
+    stored in such a format comes back as replicas.layers.quantized_linear.QuantizedWeight (GGUF Q4_0 / Q4_1 /
+    Q8_0) or replicas.layers.fp8_linear.Fp8Weight instead of a float tensor."""
+
+    quantized_format: str | None
 
     def names(self) -> list[str]: ...
 
@@ -34,8 +37,8 @@ class Checkpoint:
         return self.source.names()
 
     def weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor), one tensor at a time: the checkpoint's dtype for safetensors, float32 for GGUF
-        (`keep_quantized`: quantized linear weights as QuantizedWeight, see TensorSource)."""
+        """(HF name, tensor), one tensor at a time: the checkpoint's dtype for safetensors, float32 for GGUF and
+        dequantized FP8 (`keep_quantized`: quantized linear weights in their own format, see TensorSource)."""
         for name in tqdm(self.source.names(), desc="Loading weights", unit="tensor"):
             yield name, self.source.read(name, keep_quantized)
 

@@ -13,6 +13,8 @@ from replicas.tokenizer import Tokenizer
 
 
 class _NoTensors:
+    quantized_format = None
+
     def names(self) -> list[str]:
         return []
 

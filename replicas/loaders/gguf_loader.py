@@ -106,6 +106,8 @@ _BLOCKS = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}     # (block bytes
 
 
 class GGUFSource:
+    quantized_format = "gguf"      # its Q4_0 / Q4_1 / Q8_0 tensors; read() dequantizes the others either way
+
     def __init__(self, reader, hf_config: dict):
         import gguf
         self._dequantize = gguf.quants.dequantize

@@ -15,6 +15,7 @@ from replicas.distributed.parallel_state import tp_size
 from replicas.layers.activation import SiluAndMul
 from replicas.layers.attention import PagedAttention
 from replicas.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from replicas.layers.fp8_linear import Fp8Weight
 from replicas.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from replicas.layers.norm import RMSNorm
 from replicas.layers.quantized_linear import QuantizedWeight
@@ -139,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             param = params[target]
+            if isinstance(tensor, Fp8Weight):
+                tensor, param = self._fp8_part(target, tensor, param, params, loaded)
             if isinstance(tensor, QuantizedWeight) and target in self.vocab_weights:
                 if target == "lm_head.weight" or self.config.tie_word_embeddings:
                     self.lm_head.keep_quantized(tensor)
@@ -147,8 +150,8 @@ class LlamaForCausalLM(nn.Module):
                 param = params[target] = self._quantized_weight(target, tensor.bits)
             elif isinstance(tensor, QuantizedWeight):      # a fused layer whose first parts were float
                 tensor = tensor.dequantize().to(param.dtype)
-            elif not isinstance(param, QuantizedWeight):   # (a float part into a quantized layer: copy_ refuses it)
-                tensor = tensor.to(param.dtype)
+            elif not isinstance(param, (QuantizedWeight, Fp8Weight)):   # (a float part into a quantized layer:
+                tensor = tensor.to(param.dtype)                           # its copy_ refuses it)
             loader = getattr(param, "weight_loader", _copy_loader)
             if shard is None:
                 loader(param, tensor)
@@ -161,6 +164,19 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:8]}")
         return loaded
+
+    def _fp8_part(self, target: str, tensor: Fp8Weight, param, params: dict, loaded: set[str]):
+        """(tensor, param) for an FP8 checkpoint part: the linear layer's Fp8Weight, made on its first part, takes
+        it; a part whose layer is not linear, or one into a layer whose first parts were float, loads dequantized."""
+        layer = self.get_submodule(target.rpartition(".")[0])
+        if isinstance(param, Fp8Weight):
+            return tensor, param
+        if isinstance(layer, LinearBase) and target not in loaded:
+            del layer.weight                   # a registered parameter: only deleted can it become a module
+            layer.weight = params[target] = Fp8Weight.empty(*param.shape).to(param.device)
+            layer.weight.weight_loader = layer.weight_loader
+            return tensor, layer.weight
+        return tensor.dequantize().to(param.dtype), param
 
     def _quantized_weight(self, target: str, bits: int) -> QuantizedWeight:
         """The quantized weight of the linear layer owning `target`, made on its first quantized part."""

@@ -8,7 +8,7 @@ import torch
 from replicas import LLM, SamplingParams
 from replicas.layers.fp8_linear import FP8, FP8_MAX, Fp8Weight, quantize_rows
 from replicas.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from tests.support.checkpoints import make_tiny_llama
+from tests.support.checkpoints import make_fp8_checkpoint, make_tiny_llama
 
 E4M3_REL = 2.0 ** -4            # half a unit in the last place of a 3-bit mantissa
 E4M3_SUBNORMAL = 2.0 ** -9      # spacing of E4M3's subnormals (in units of the row scale)
@@ -84,3 +84,70 @@ def test_tiny_model_decodes_in_fp8_close_to_its_float_self(tmp_path):
         top = sorted(want.values(), key=lambda lp: -lp.logprob)
         if top[0].logprob - top[1].logprob > 2 * FIRST_TOKEN_NATS:          # not a near-tie: the same token
             assert fp8.token_ids[0] == ref.token_ids[0]
+
+
+# ---- checkpoints published in FP8 ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_float(tmp_path_factory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "m"))
+
+
+def _linear_layers(llm):
+    return {name: m for name, m in llm.engine.runner.model.named_modules() if hasattr(m, "to_fp8")}
+
+
+@pytest.mark.parametrize("scheme", ["channel", "tensor"])
+def test_an_fp8_checkpoint_loads_its_own_values_and_scales(tiny_float, tmp_path, scheme):
+    """fp8 keeps the file's E4M3 values and scales as they are (a per-tensor scale repeated over its rows, the
+    fused qkv and gate_up taking each part's own); none dequantizes them exactly; both decode the same text
+    within FP8's activation rounding."""
+    from safetensors.torch import load_file
+    folder = make_fp8_checkpoint(tiny_float, str(tmp_path / scheme), scheme)
+    stored = load_file(f"{folder}/model.safetensors")
+    prompts, params = ["The cat", "Once upon a time"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=5,
+                                                                      ignore_eos=True)
+    outs = {}
+    for quantization in ("fp8", "none"):
+        llm = LLM(model=folder, device="cpu", quantization=quantization)
+        try:
+            layers = _linear_layers(llm)
+            qkv = layers["model.layers.1.self_attn.qkv_proj"].weight
+            parts = [stored[f"model.layers.1.self_attn.{p}_proj.{t}"] for p in "qkv" for t in ("weight",)]
+            scales = [stored[f"model.layers.1.self_attn.{p}_proj.weight_scale"].float().reshape(-1) for p in "qkv"]
+            rows = torch.cat([s.expand(len(w)) if s.numel() == 1 else s for s, w in zip(scales, parts)])
+            if quantization == "fp8":
+                assert all(isinstance(m.weight, Fp8Weight) for m in layers.values())
+                assert torch.equal(qkv.q.view(torch.uint8), torch.cat(parts).view(torch.uint8))
+                assert torch.equal(qkv.scale, rows)
+            else:
+                assert not any(isinstance(m.weight, Fp8Weight) for m in layers.values())
+                assert torch.equal(qkv, torch.cat(parts).float() * rows.unsqueeze(1))
+            outs[quantization] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+    for fp8, ref in zip(outs["fp8"], outs["none"]):
+        want, got = ref.logprobs[0], fp8.logprobs[0]
+        for t in set(want) & set(got):
+            assert abs(got[t].logprob - want[t].logprob) < FIRST_TOKEN_NATS
+
+
+def test_a_block_scaled_fp8_checkpoint_loads_dequantized(tiny_float, tmp_path):
+    """weight_scale_inv per 32 x 32 block: the float weight is each block's values times its scale; fp8 then
+    quantizes it per row like any float weight."""
+    from safetensors.torch import load_file
+    folder = make_fp8_checkpoint(tiny_float, str(tmp_path / "block"), "block")
+    stored = load_file(f"{folder}/model.safetensors")
+    q, inv = stored["model.layers.0.mlp.down_proj.weight"], stored["model.layers.0.mlp.down_proj.weight_scale_inv"]
+    want = q.float() * inv.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    llm = LLM(model=folder, device="cpu", quantization="none")
+    try:
+        assert torch.equal(_linear_layers(llm)["model.layers.0.mlp.down_proj"].weight, want)
+    finally:
+        llm.shutdown()
+    llm = LLM(model=folder, device="cpu", quantization="fp8")
+    try:
+        down = _linear_layers(llm)["model.layers.0.mlp.down_proj"].weight
+        assert isinstance(down, Fp8Weight) and torch.equal(down.scale, want.abs().amax(dim=1) / FP8_MAX)
+    finally:
+        llm.shutdown()

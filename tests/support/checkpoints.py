@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer
 from tokenizers.models import BPE
@@ -277,4 +278,47 @@ def make_tiny_gguf(path, arch: str = "llama", qtype: str = "F32", **overrides) -
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return str(path)
+
+
+FP8_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_fp8_checkpoint(float_folder: str, path: str, scheme: str) -> str:
+    """A copy of an HF folder whose linear weights are stored in FP8 (E4M3), as published FP8 checkpoints hold
+    them. scheme: "channel" (compressed-tensors FP8-dynamic: weight_scale [N, 1] per output channel), "tensor"
+    (weight_scale [] and a static input_scale), "block" (Transformers' fine-grained FP8: weight_scale_inv per
+    32 x 32 block, the config's weight_block_size)."""
+    fp8 = torch.float8_e4m3fn
+    fmax = torch.finfo(fp8).max
+    tensors = load_file(os.path.join(float_folder, "model.safetensors"))
+    out = {}
+    for name, w in tensors.items():
+        if not any(f".{p}.weight" in name for p in FP8_LINEAR):
+            out[name] = w
+            continue
+        w = w.float()
+        base = name[: -len("weight")]
+        if scheme == "block":
+            n, k = w.shape
+            blocks = w.reshape(n // 32, 32, k // 32, 32).abs().amax(dim=(1, 3)) / fmax
+            scale = blocks.repeat_interleave(32, 0).repeat_interleave(32, 1)
+            out[name] = (w / scale).to(fp8)
+            out[base + "weight_scale_inv"] = blocks
+            continue
+        scale = (w.abs().amax(dim=1, keepdim=True) if scheme == "channel" else w.abs().amax()) / fmax
+        out[name] = (w / scale).to(fp8)
+        out[base + "weight_scale"] = scale.float()
+        if scheme == "tensor":
+            out[base + "input_scale"] = torch.tensor(0.01)
+    os.makedirs(path, exist_ok=True)
+    for f in os.listdir(float_folder):
+        if f != "model.safetensors":
+            shutil.copy(os.path.join(float_folder, f), os.path.join(path, f))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = ({"quant_method": "fp8", "weight_block_size": [32, 32]} if scheme == "block"
+                                  else {"quant_method": "compressed-tensors", "format": "float-quantized"})
+    _write_json(os.path.join(path, "config.json"), cfg)
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return str(path)
