@@ -37,7 +37,6 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: Optional[int] = None    # number of top alternatives besides the sampled token
-    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     detokenize: bool = True           # False: token ids only (benchmarks); stop strings need text
     grammar: Optional[GrammarSpec] = None         # the output must match it (docs/structured_outputs.md)
@@ -77,9 +76,6 @@ class SamplingParams:
              "stop_token_ids must be non-negative integers")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
              f"logprobs must be an integer in [0, 20], got {self.logprobs}")
-        pl = self.prompt_logprobs
-        need(pl is None or (isinstance(pl, int) and 0 <= pl <= 20), "prompt_logprobs",
-             f"prompt_logprobs must be an integer in [0, 20], got {pl}")
         need(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
         need(self.detokenize or not self.stop, "stop", "stop strings need detokenize=True")
         self._validate_constraints(need)
