@@ -10,7 +10,8 @@ prefix-cache hit carries over). Throughput counts generated tokens only, over th
 `LLM.generate` call (scheduling, sampling and Python included).
 Random bf16 weights for the Qwen3-0.6B and Llama-3-8B shapes; SmolLM2-135M's real GGUF weights. With
 `--quantization bf16,fp8` each shape also runs with FP8 linear weights (replicas/layers/fp8_linear.py), its
-bytes counted as stored (one byte a weight plus the row scales).
+bytes counted as stored (one byte a weight plus the row scales), and SmolLM2's perplexity on a fixed text is
+reported both ways (`fp8_perplexity`).
 Roofline: decode step = one graph-replayed forward of B sequences (B = 64, 128, 256; the profiled one is
 64, the workload's own steady state is 256 running) at a fixed context, counted bytes =
 every weight once + the K/V of every context token once; prefill = one 8192-token chunk, counted FLOPs =
@@ -251,6 +252,8 @@ def main() -> None:
             torch.cuda.empty_cache()       # the next engine sizes its KV pool from the memory free now
     res["fp8_vs_bf16"] = {shape: fp8_speedups(res["shapes"][shape], res["shapes"][f"{shape}:fp8"])
                           for shape in args.shapes.split(",") if "fp8" in quantizations and "bf16" in quantizations}
+    if "fp8" in quantizations:
+        res["fp8_perplexity"] = fp8_perplexity(gpu_memory_utilization=0.3)
     big = res["shapes"].get("llama3-8b", {})
     res["decode_bw_fraction"] = big.get("decode_bw_fraction")
     res["prefill_matmul_fraction"] = big.get("prefill_matmul_fraction")
@@ -265,6 +268,26 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2, default=float)
     print(f"wrote {args.out}")
+
+
+def fp8_perplexity(tokens: int = 512, **llm_kwargs) -> dict:
+    """The default model's teacher-forced perplexity on bench.cpu_decode's fixed text (Python's LICENSE.txt, its
+    first `tokens` tokens) with float (`auto`) and FP8 linear weights."""
+    from bench.cpu_decode import license_text, prompt_logits
+    path, text = license_text()
+    out = {"text": path}
+    for quantization in ("auto", "fp8"):
+        llm = LLM(quantization=quantization, **llm_kwargs)
+        try:
+            ids = llm.tokenizer.encode(text)[:tokens]
+            logits = prompt_logits(llm, ids).cpu()
+        finally:
+            llm.shutdown()
+        nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+        out["tokens"] = len(ids)
+        out["bf16" if quantization == "auto" else "fp8"] = float(torch.exp(nll))
+    out["ratio"] = out["fp8"] / out["bf16"]
+    return out
 
 
 def fp8_speedups(bf16: dict, fp8: dict) -> dict:
@@ -299,6 +322,10 @@ def report(res: dict) -> None:
                   f"{p['bw_fraction']:.3f} of copy BW, graphs={p['graphs']}")
     for shape, speedups in res.get("fp8_vs_bf16", {}).items():
         print(f"{shape} fp8 / bf16: " + ", ".join(f"{k} {v:.2f}x" for k, v in speedups.items()))
+    if "fp8_perplexity" in res:
+        p = res["fp8_perplexity"]
+        print(f"SmolLM2 perplexity ({p['tokens']} tokens): bf16 {p['bf16']:.4f}, fp8 {p['fp8']:.4f} "
+              f"({p['ratio']:.4f}x)")
     for k in ("decode_bw_fraction", "prefill_matmul_fraction", "attention_decode_bw_fraction",
               "tree_mask_overhead", "throughput_vs_hf"):
         print(f"{k}: {res.get(k)}")

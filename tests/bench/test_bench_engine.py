@@ -34,3 +34,12 @@ def test_fp8_speedups_pair_the_runs_by_batch():
     fp8 = {"output_tok_s": 150.0, "prefill_step_ms": 20.0,
            "decode_by_batch": [{"batch": 1, "step_ms": 1.0}, {"batch": 64, "step_ms": 3.2}]}
     assert fp8_speedups(bf16, fp8) == {"output_tok_s": 1.5, "decode_b1": 2.0, "decode_b64": 1.25, "prefill": 1.5}
+
+
+def test_fp8_perplexity_reports_both_paths_on_the_fixed_text():
+    """The default model on the CPU (float32 for `auto` there: the GGUF's blocks; fp8 dequantizes and quantizes
+    again): both perplexities finite and near each other."""
+    from bench.engine import fp8_perplexity
+    got = fp8_perplexity(tokens=64, device="cpu")
+    assert got["tokens"] == 64 and got["text"].endswith("LICENSE.txt")
+    assert 1 < got["bf16"] < 1000 and 0.9 < got["ratio"] < 1.1, got
