@@ -38,6 +38,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.quantization == "fp8" and self.device.type == "cuda":
+            if torch.cuda.get_device_capability(self.device) < (8, 9):
+                raise ValueError("quantization=fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, "
+                                 "Hopper)")
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"quantization=fp8 runs with dtype bfloat16 on a GPU (torch._scaled_mm's row-wise "
+                                 f"scales write bf16), not {self.dtype}")
         self._init_distributed(init_method)
         checkpoint = checkpoint or load_checkpoint(config.model, config.load_format)
         # a checkpoint's own quantized format stays where a kernel runs it: GGUF blocks on the CPU, FP8 on a GPU
@@ -82,13 +89,6 @@ class ModelRunner:
     def _weights_to_fp8(self) -> None:
         from replicas.layers.fp8_linear import Fp8Weight
         from replicas.layers.linear import LinearBase
-        if self.device.type == "cuda":
-            if torch.cuda.get_device_capability(self.device) < (8, 9):
-                raise ValueError("quantization=fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, "
-                                 "Hopper)")
-            if self.dtype != torch.bfloat16:
-                raise ValueError(f"quantization=fp8 runs with dtype bfloat16 on a GPU (torch._scaled_mm's row-wise "
-                                 f"scales write bf16), not {self.dtype}")
         layers = [m for m in self.model.modules() if isinstance(m, LinearBase)]
         converted = sum(layer.to_fp8() for layer in layers)
         if self.device.type == "cuda":
