@@ -38,8 +38,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.quantization == "fp8" and self.device.type == "cuda":
-            if torch.cuda.get_device_capability(self.device) < (8, 9):
+        cuda = self.device.type == "cuda"
+        fp8_tensor_cores = cuda and torch.cuda.get_device_capability(self.device) >= (8, 9)
+        if config.quantization == "fp8" and cuda:
+            if not fp8_tensor_cores:
                 raise ValueError("quantization=fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, "
                                  "Hopper)")
             if self.dtype != torch.bfloat16:
@@ -48,10 +50,11 @@ class ModelRunner:
         self._init_distributed(init_method)
         checkpoint = checkpoint or load_checkpoint(config.model, config.load_format)
         # a checkpoint's own quantized format stays where a kernel runs it: GGUF blocks on the CPU, FP8 on a GPU
-        # (and wherever fp8 is asked for); otherwise its weights load dequantized
-        stored, cuda = checkpoint.source.quantized_format, self.device.type == "cuda"
+        # with FP8 tensor cores in bf16 (and wherever fp8 is asked for); otherwise its weights load dequantized
+        stored = checkpoint.source.quantized_format
+        fp8_runs = fp8_tensor_cores and self.dtype == torch.bfloat16
         keep_quantized = (stored == "gguf" and config.quantization == "auto" and not cuda) or (
-            stored == "fp8" and (config.quantization == "fp8" or (config.quantization == "auto" and cuda)))
+            stored == "fp8" and (config.quantization == "fp8" or (config.quantization == "auto" and fp8_runs)))
         self.model_config: ModelConfig = checkpoint.model_config
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
