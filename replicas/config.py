@@ -291,10 +291,11 @@ class EngineConfig(_Checked):
                          choices=DTYPES)
     device: str = setting("auto", "where the engine runs (auto: cuda when there is a GPU)", choices=DEVICES)
     quantization: str = setting("auto", "linear-layer weights: auto (on CPU, GGUF Q4_0/Q4_1/Q8_0 stay quantized "
-                                        "and run weight-only kernels; on a GPU they are dequantized), none "
-                                        "(dequantized), fp8 (linear weights in FP8 with a scale per output channel, activations "
-                                        "quantized per token, torch._scaled_mm: for Hopper GPUs; the CPU runs it "
-                                        "too, slowly)", choices=("auto", "none", "fp8"))
+                                        "and run weight-only kernels; on a GPU they are dequantized and a "
+                                        "checkpoint published in FP8 stays FP8), none "
+                                        "(dequantized), fp8 (linear weights in FP8 with a scale per output channel, "
+                                        "activations quantized per token, torch._scaled_mm: for Hopper GPUs; the "
+                                        "CPU runs it too, slowly)", choices=("auto", "none", "fp8"))
     attention_backend: str = setting("auto", "attention kernels (auto: triton on a GPU, torch on CPU)",
                                      choices=("auto", "torch", "triton"))
     distributed_backend: str = setting("auto", "TP collectives (auto: nccl on a GPU, gloo on CPU)",

@@ -2,9 +2,10 @@
 
 `Fp8Weight` takes the place of a LinearBase's float `weight`, either loaded from a checkpoint published in FP8
 with per-tensor or per-channel scales (replicas/loaders/fp8_checkpoint.py) or made from the loaded float weight
-(`LinearBase.to_fp8`): w[n, :] ~ scale[n] * q[n, :], scale[n] = max|w[n, :]| / 448 when tidal quantizes. Activations are quantized per
-token at run time (dynamic: the same rule over each input row), and the product runs in `torch._scaled_mm` with
-the row scales of both sides, accumulating in float32 and writing the activation dtype:
+(`LinearBase.to_fp8`): w[n, :] ~ scale[n] * q[n, :], with scale[n] = max|w[n, :]| / 448 when tidal quantizes.
+Activations are quantized per token at run time (dynamic: the same rule over each input row), and the product
+runs in `torch._scaled_mm` with the row scales of both sides, accumulating in float32 and writing the activation
+dtype:
 
     y[m, n] = xs[m] * scale[n] * sum_k xq[m, k] * q[n, k]
 
@@ -89,6 +90,6 @@ class Fp8Weight(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         xq, xs = quantize_rows(rows)
-        y = torch._scaled_mm(xq, self.q.t(), scale_a=xs.unsqueeze(1), scale_b=self.scale.unsqueeze(0), out_dtype=x.dtype,
-                             bias=None if bias is None else bias.to(x.dtype))
+        y = torch._scaled_mm(xq, self.q.t(), scale_a=xs.unsqueeze(1), scale_b=self.scale.unsqueeze(0),
+                             out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype))
         return y.view(*x.shape[:-1], -1)
