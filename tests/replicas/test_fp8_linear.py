@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from replicas import LLM, SamplingParams
+from replicas.distributed.communicator import SingleCommunicator
+from replicas.distributed.parallel_state import get_tp_group, set_tp_group
 from replicas.layers.fp8_linear import FP8, FP8_MAX, Fp8Weight, quantize_rows
 from replicas.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tests.support.checkpoints import make_fp8_checkpoint, make_tiny_llama
@@ -43,7 +45,16 @@ def test_product_equals_the_float_product_of_the_quantized_operands(rows):
     assert weight.linear(x.view(1, rows, 160), None).shape == (1, rows, 96)
 
 
-def test_layers_convert_where_the_shape_fits_and_keep_their_bias():
+@pytest.fixture
+def single_rank():
+    """Layers built here run on one rank, whatever TP group an earlier test of the process left set."""
+    previous = get_tp_group()
+    set_tp_group(SingleCommunicator())
+    yield
+    set_tp_group(previous)
+
+
+def test_layers_convert_where_the_shape_fits_and_keep_their_bias(single_rank):
     gen = torch.Generator().manual_seed(3)
     fused = MergedColumnParallelLinear(64, [32, 32])
     fused.weight.data = torch.randn(64, 64, generator=gen)
