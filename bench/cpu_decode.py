@@ -48,7 +48,7 @@ def license_text() -> tuple[str, str]:
 
 
 def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] logits of one teacher-forced prefill through the engine's runner."""
+    """[len(ids), vocab] float32 logits, on the CPU, of one teacher-forced prefill through the engine's runner."""
     from replicas.sequence import Sequence
     from replicas.step_input import StepInput
     engine = llm.engine
@@ -59,7 +59,7 @@ def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     step.sample_indices = torch.arange(len(ids)).numpy()
     try:
         with torch.no_grad():
-            return engine.runner.execute(step).float()
+            return engine.runner.execute(step).float().cpu()
     finally:
         engine.block_manager.free(seq)
 

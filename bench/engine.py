@@ -60,25 +60,25 @@ def make_llm(shape: str, **kw) -> LLM:
 
 
 def _forward_weights(model):
-    """(name, tensor, counts as parameters) of every weight a forward reads: the parameters (an embedding only
-    as the tied LM head), and FP8 weights' values and their scales (read, not parameters)."""
+    """(tensor, counts as parameters) of every weight a forward reads: the parameters (an embedding only as the
+    tied LM head), and FP8 weights' values and their scales (read, not parameters)."""
     for name, p in model.named_parameters():
         if "embed_tokens" not in name:
-            yield name, p, True
+            yield p, True
     if model.config.tie_word_embeddings:
-        yield "lm_head.weight", model.lm_head.weight, True
-    for name, mod in model.named_modules():
+        yield model.lm_head.weight, True
+    for mod in model.modules():
         if isinstance(mod, Fp8Weight):
-            yield f"{name}.q", mod.q, True
-            yield f"{name}.scale", mod.scale, False
+            yield mod.q, True
+            yield mod.scale, False
 
 
 def weight_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for _, t, _ in _forward_weights(model))
+    return sum(t.numel() * t.element_size() for t, _ in _forward_weights(model))
 
 
 def weight_params(model) -> int:
-    return sum(t.numel() for _, t, counted in _forward_weights(model) if counted)
+    return sum(t.numel() for t, counted in _forward_weights(model) if counted)
 
 
 def fake_batch(engine, batch: int, ctx: int, new_tokens: int) -> tuple[ScheduledBatch, list[Sequence]]:
@@ -273,19 +273,17 @@ def main() -> None:
 def fp8_perplexity(tokens: int = 512, **llm_kwargs) -> dict:
     """The default model's teacher-forced perplexity on bench.cpu_decode's fixed text (Python's LICENSE.txt, its
     first `tokens` tokens) with float (`auto`) and FP8 linear weights."""
-    from bench.cpu_decode import license_text, prompt_logits
+    from bench.cpu_decode import license_text, perplexity
     path, text = license_text()
     out = {"text": path}
     for quantization in ("auto", "fp8"):
         llm = LLM(quantization=quantization, **llm_kwargs)
         try:
             ids = llm.tokenizer.encode(text)[:tokens]
-            logits = prompt_logits(llm, ids).cpu()
+            out["tokens"] = len(ids)
+            out["bf16" if quantization == "auto" else "fp8"] = perplexity(llm, ids, kernel_rows=False)
         finally:
             llm.shutdown()
-        nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
-        out["tokens"] = len(ids)
-        out["bf16" if quantization == "auto" else "fp8"] = float(torch.exp(nll))
     out["ratio"] = out["fp8"] / out["bf16"]
     return out
 

@@ -55,8 +55,9 @@ class Fp8Weight(nn.Module):
         return cls(*quantize_rows(weight))
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int) -> "Fp8Weight":
-        return cls(torch.empty(out_features, in_features, dtype=FP8), torch.empty(out_features))
+    def empty(cls, out_features: int, in_features: int, device: torch.device | None = None) -> "Fp8Weight":
+        return cls(torch.empty(out_features, in_features, dtype=FP8, device=device),
+                   torch.empty(out_features, device=device))
 
     # ---- the tensor surface the TP weight loaders use ----------------------------------------------------
     @property

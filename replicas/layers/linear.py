@@ -41,23 +41,28 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         self.skinny: dict[int, SkinnyConfig] = {}
 
+    def _replace_weight(self, weight: QuantizedWeight | Fp8Weight) -> QuantizedWeight | Fp8Weight:
+        del self.weight                    # a registered parameter: only deleted can it become a module
+        self.weight = weight
+        weight.weight_loader = self.weight_loader
+        return weight
+
     def quantize_weight(self, bits: int) -> QuantizedWeight:
         """Replace the float weight by an empty quantized one of the same (local) shape; the weight loaders then
         copy quantized checkpoint tensors into it."""
-        n, k = self.weight.shape
-        del self.weight
-        self.weight = QuantizedWeight.empty(n, k, bits)
-        self.weight.weight_loader = self.weight_loader
-        return self.weight
+        return self._replace_weight(QuantizedWeight.empty(*self.weight.shape, bits))
+
+    def fp8_weight(self) -> Fp8Weight:
+        """Replace the float weight by an empty FP8 one of the same (local) shape, on its device; the weight loaders
+        then copy the parts of a checkpoint published in FP8 into it."""
+        return self._replace_weight(Fp8Weight.empty(*self.weight.shape, device=self.weight.device))
 
     def to_fp8(self) -> bool:
         """Replace the loaded float weight by its FP8 form (replicas/layers/fp8_linear.py); False where the shape
         does not fit FP8 GEMMs and the weight stays as it is."""
         if not isinstance(self.weight, nn.Parameter) or not fits(*self.weight.shape):
             return False
-        fp8 = Fp8Weight.from_float(self.weight.data)
-        del self.weight
-        self.weight = fp8
+        self._replace_weight(Fp8Weight.from_float(self.weight.data))
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
             out, new_residual = rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, new_residual)
         if (x.dim() in (2, 3) and elementwise_cpu.supports(x) and self.weight.dtype == torch.float32
-                and (residual is None or (residual.is_contiguous() and elementwise_cpu.supports(residual)))):
+                and (residual is None or residual.is_contiguous())):
             out, new_residual = elementwise_cpu.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, new_residual)
         if residual is None:

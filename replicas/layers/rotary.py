@@ -43,7 +43,7 @@ class RotaryEmbedding(nn.Module):
             from replicas.kernels.elementwise import apply_rotary
             apply_rotary(q, k, positions, self.cos_sin)
             return q, k
-        if elementwise_cpu.supports(q) and elementwise_cpu.supports(k):
+        if elementwise_cpu.supports(q) and k.stride(-1) == 1:        # k: a view of the same projection as q
             elementwise_cpu.apply_rotary(q, k, positions, self.cos_sin)
             return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)

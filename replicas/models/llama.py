@@ -168,14 +168,12 @@ class LlamaForCausalLM(nn.Module):
     def _fp8_part(self, target: str, tensor: Fp8Weight, param, params: dict, loaded: set[str]):
         """(tensor, param) for an FP8 checkpoint part: the linear layer's Fp8Weight, made on its first part, takes
         it; a part whose layer is not linear, or one into a layer whose first parts were float, loads dequantized."""
-        layer = self.get_submodule(target.rpartition(".")[0])
         if isinstance(param, Fp8Weight):
             return tensor, param
+        layer = self.get_submodule(target.rpartition(".")[0])
         if isinstance(layer, LinearBase) and target not in loaded:
-            del layer.weight                   # a registered parameter: only deleted can it become a module
-            layer.weight = params[target] = Fp8Weight.empty(*param.shape).to(param.device)
-            layer.weight.weight_loader = layer.weight_loader
-            return tensor, layer.weight
+            params[target] = layer.fp8_weight()
+            return tensor, params[target]
         return tensor.dequantize().to(param.dtype), param
 
     def _quantized_weight(self, target: str, bits: int) -> QuantizedWeight:

@@ -69,10 +69,25 @@ def test_layers_convert_where_the_shape_fits_and_keep_their_bias(single_rank):
     assert not down.to_fp8()                                          # already converted
 
 
-def test_tiny_model_decodes_in_fp8_close_to_its_float_self(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_float(tmp_path_factory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "m"))
+
+
+def assert_first_token_logprobs_close(fp8, ref) -> set[int]:
+    """The first token's top logprobs that both outputs report differ by less than FIRST_TOKEN_NATS; returns
+    those tokens."""
+    want, got = ref.logprobs[0], fp8.logprobs[0]
+    common = set(want) & set(got)
+    for t in common:
+        assert abs(got[t].logprob - want[t].logprob) < FIRST_TOKEN_NATS, (t, got[t], want[t])
+    return common
+
+
+def test_tiny_model_decodes_in_fp8_close_to_its_float_self(tiny_float):
     """Every linear layer of a tiny Llama converts; its first token's top logprobs stay within FP8's error of
     the float engine's (the LM head is float in both)."""
-    model = make_tiny_llama(str(tmp_path / "m"))
+    model = tiny_float
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     prompts = ["The cat", "Once upon a time", "1 2 3", "Hello there"]
     outs = {}
@@ -87,22 +102,13 @@ def test_tiny_model_decodes_in_fp8_close_to_its_float_self(tmp_path):
             llm.shutdown()
     for fp8, ref in zip(outs["fp8"], outs["none"]):
         assert len(fp8.token_ids) == 8
-        want, got = ref.logprobs[0], fp8.logprobs[0]
-        common = set(want) & set(got)
-        assert len(common) >= 3
-        for t in common:
-            assert abs(got[t].logprob - want[t].logprob) < FIRST_TOKEN_NATS, (t, got[t], want[t])
-        top = sorted(want.values(), key=lambda lp: -lp.logprob)
+        assert len(assert_first_token_logprobs_close(fp8, ref)) >= 3
+        top = sorted(ref.logprobs[0].values(), key=lambda lp: -lp.logprob)
         if top[0].logprob - top[1].logprob > 2 * FIRST_TOKEN_NATS:          # not a near-tie: the same token
             assert fp8.token_ids[0] == ref.token_ids[0]
 
 
 # ---- checkpoints published in FP8 ----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_float(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "m"))
-
 
 def _linear_layers(llm):
     return {name: m for name, m in llm.engine.runner.model.named_modules() if hasattr(m, "to_fp8")}
@@ -138,9 +144,7 @@ def test_an_fp8_checkpoint_loads_its_own_values_and_scales(tiny_float, tmp_path,
         finally:
             llm.shutdown()
     for fp8, ref in zip(outs["fp8"], outs["none"]):
-        want, got = ref.logprobs[0], fp8.logprobs[0]
-        for t in set(want) & set(got):
-            assert abs(got[t].logprob - want[t].logprob) < FIRST_TOKEN_NATS
+        assert_first_token_logprobs_close(fp8, ref)
 
 
 def test_a_block_scaled_fp8_checkpoint_loads_dequantized(tiny_float, tmp_path):
