@@ -1,7 +1,7 @@
 """Engine benchmark (GPU): offline throughput and roofline fractions.
 
     python -m bench.engine [--shapes qwen3-0.6b,llama3-8b,smollm2] [--num-seqs 256] [--quantization bf16,fp8]
-                           [--out bench/results/engine.json]
+                           [--out bench/results/engine.json] [--update]
 
 Workload (nano-vllm / mini-sglang): 256 sequences, input and output lengths uniform in [100, 1024], random
 token ids, ignore_eos, seed 0; first a warm-up workload drawn the same way with seed 1 (Triton compiles a kernel
@@ -18,6 +18,8 @@ every weight once + the K/V of every context token once; prefill = one 8192-toke
 2 x params x tokens + causal attention (2 x 2 x T^2/2 x heads x head_dim per layer). Both against a copy
 and a matmul measured in the same run (bench/roofline.py). HF transformers `generate` runs a 32-sequence
 subset of the same workload (left-padded batch; only each sequence's requested tokens are counted).
+`--update` merges into the existing --out: the rows this run measured replace theirs, the others stay, and
+`rows_from` names the run every row came from.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 
 import torch
 
+from bench.provenance import provenance
 from bench.shapes import SHAPES, write_shape
 from bench.roofline import Ceilings, classify_step, cuda_time_ms, print_profile, profile_kernels
 from memory.block_manager import BlockManager
@@ -234,6 +238,7 @@ def main() -> None:
                     help="comma-separated, of bf16 and fp8: each shape runs once per entry; an fp8 run is reported "
                          "as shape:fp8 with its speed-ups over bf16 under fp8_vs_bf16")
     ap.add_argument("--out", default="bench/results/engine.json")
+    ap.add_argument("--update", action="store_true", help="merge into the existing --out instead of replacing it")
     args = ap.parse_args()
     quantizations = args.quantization.split(",")
     if not set(quantizations) <= {"bf16", "fp8"}:
@@ -242,7 +247,11 @@ def main() -> None:
     logging.getLogger("replicas.layers.gemm_select").setLevel(logging.INFO)      # the per-shape GEMM choices
     torch.manual_seed(0)
     ceil = Ceilings.measure()
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seed": 0,
+    res = {"provenance": provenance("bench.engine", sys.argv[1:], "cuda", 0,
+                                    warm_up="one workload per engine (seed 1) before the measured one",
+                                    counted="generated tokens over the measured generate call's wall time; "
+                                            "roofline steps as CUDA-event time of graph replays"),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seed": 0,
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "method": __doc__.strip(), "shapes": {}}
     for shape in args.shapes.split(","):
@@ -254,20 +263,35 @@ def main() -> None:
                           for shape in args.shapes.split(",") if "fp8" in quantizations and "bf16" in quantizations}
     if "fp8" in quantizations:
         res["fp8_perplexity"] = fp8_perplexity(gpu_memory_utilization=0.3)
-    big = res["shapes"].get("llama3-8b", {})
-    res["decode_bw_fraction"] = big.get("decode_bw_fraction")
-    res["prefill_matmul_fraction"] = big.get("prefill_matmul_fraction")
-    res["throughput_vs_hf"] = res["shapes"].get(args.hf_shape, {}).get("throughput_vs_hf")
     if args.attention:
         from bench.attention_kernels import bench_decode, bench_tree_extend
         res["attention"] = {**bench_decode(False, ceil.copy_bytes_per_s), **bench_tree_extend(False)}
         res["attention_decode_bw_fraction"] = res["attention"]["attention_decode_bw_fraction"]
         res["tree_mask_overhead"] = res["attention"]["tree_mask_overhead"]
+    if args.update and os.path.exists(args.out):
+        with open(args.out) as f:
+            res = merge_results(json.load(f), res)
+    big = res["shapes"].get("llama3-8b", {})
+    res["decode_bw_fraction"] = big.get("decode_bw_fraction")
+    res["prefill_matmul_fraction"] = big.get("prefill_matmul_fraction")
+    res["throughput_vs_hf"] = res["shapes"].get(args.hf_shape, {}).get("throughput_vs_hf")
     report(res)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2, default=float)
     print(f"wrote {args.out}")
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """`--update`: `new`'s rows and keys replace `old`'s, the other rows stay; `rows_from` maps every row to the
+    provenance of the run that measured it (a file without one is named by its own provenance)."""
+    old_from = old.get("rows_from") or {shape: old.get("provenance") for shape in old.get("shapes", {})}
+    merged = {**old, **new}
+    merged["shapes"] = {**old.get("shapes", {}), **new["shapes"]}
+    merged["fp8_vs_bf16"] = {**old.get("fp8_vs_bf16", {}), **new.get("fp8_vs_bf16", {})}
+    merged["rows_from"] = {**{shape: old_from.get(shape) for shape in old.get("shapes", {})},
+                           **{shape: new["provenance"] for shape in new["shapes"]}}
+    return merged
 
 
 def fp8_perplexity(tokens: int = 512, **llm_kwargs) -> dict:

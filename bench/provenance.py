@@ -7,8 +7,6 @@ import platform
 import subprocess
 from datetime import datetime, timezone
 
-import psutil
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -20,7 +18,8 @@ def git(*cmd: str) -> str:
 
 
 def machine(device: str) -> str:
-    host = f"{platform.machine()}, {psutil.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = f"{platform.machine()}, {os.cpu_count()} CPU cores, {memory / 2**30:.0f} GiB"
     if device.startswith("cuda"):
         import torch
         host = f"{torch.cuda.get_device_name()}; {host}"

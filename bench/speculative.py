@@ -175,8 +175,9 @@ def measure(cfg: BenchConfig, mode: str, sets: dict[int, list[list[int]]], warm:
         result: dict = dict(runs={}, engine=dict(device=str(engine.runner.device), dtype=str(engine.runner.dtype),
                                                  cuda_graphs=engine.runner.graphs is not None))
         table = engine.runner.gemm_table or {}
-        result["engine"]["gemm_table"] = {f"{n}x{k}": {str(m): str(c) for m, c in sorted(by_m.items())}
-                                          for (n, k), by_m in sorted(table.items())}
+        result["engine"]["gemm_table"] = {f"{n}x{k}:{str(dtype).removeprefix('torch.')}":
+                                          {str(m): str(c) for m, c in sorted(by_m.items())}
+                                          for (n, k, dtype), by_m in sorted(table.items(), key=str)}
         spec, replays = engine.speculator, count_graph_replays(engine)
         if spec is not None:
             result["engine"]["budget_by_batch"] = {f"b{b}": spec.budget(b) for b in cfg.batches}

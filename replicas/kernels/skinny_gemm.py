@@ -8,6 +8,11 @@ Split-K writes fp32 partials [split_k, M, N] to a workspace that one reduce kern
 
 CUDA-graph safe: the grid depends only on shapes, and the workspace is a plain `torch.empty` inside the call
 (a captured call takes it from the graph's pool).
+
+FP8 weights (`quantization=fp8`, replicas/layers/fp8_linear.py) run here as weight-only: the kernel reads the E4M3
+weight tile (one byte an element), widens it to the activation dtype in registers and scales each output column
+by its row scale once, after the K loop (y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]). Decode then streams half
+of bf16's bytes with no per-token activation quantization in front of the GEMM.
 """
 from __future__ import annotations
 
@@ -41,10 +46,11 @@ def split_k_range(k: int, cfg: SkinnyConfig) -> int:
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -70,10 +76,14 @@ def _skinny_gemm_kernel(
             k_mask = (k + offs_k) < k_hi
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        if HAS_SCALE:
+            w = w.to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if HAS_SCALE:                                   # per output column: commutes with the split-K sum
+        acc *= tl.load(s_ptr + cols_in)[None, :]
     out_mask = (rows < M)[:, None] & (cols < N)[None, :]
     if SPLIT:
         ws = ws_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
@@ -98,12 +108,14 @@ def _split_k_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, SPLIT_K: tl.constexpr, HA
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: SkinnyConfig = SkinnyConfig()
-                ) -> Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32."""
+def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: SkinnyConfig = SkinnyConfig(),
+                scale: Optional[Tensor] = None) -> Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32. With `scale`
+    (float32 [N]) the weight is FP8 and row n stands for scale[n] * weight[n]."""
     *lead, k = x.shape
     n = weight.shape[0]
-    assert weight.shape[1] == k and weight.stride(1) == 1 and x.dtype == weight.dtype
+    assert weight.shape[1] == k and weight.stride(1) == 1
+    assert x.dtype == weight.dtype if scale is None else (scale.shape == (n,) and scale.dtype == torch.float32)
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -120,9 +132,9 @@ def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: S
     b = bias if bias is not None else y
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _skinny_gemm_kernel[grid](
-        x2, weight, b, y, ws, m, n, k, x2.stride(0), weight.stride(0), y.stride(0), k_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
+        x2, weight, y if scale is None else scale, b, y, ws, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+        k_per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

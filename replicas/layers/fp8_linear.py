@@ -9,15 +9,20 @@ dtype:
 
     y[m, n] = xs[m] * scale[n] * sum_k xq[m, k] * q[n, k]
 
-Decode reads the weight at one byte per element, half of bf16's. `torch._scaled_mm` wants K and N multiples of 16
-(`fits`); a layer that is not stays in its float dtype. The LM head, embeddings and norms are not linear layers
-here and stay as they are. Calibrated static activation scales are not used: dynamic per-token scales need no
-calibration data and bound each row's error by its own range.
+On the GPU one Triton kernel quantizes the activations (replicas/kernels/fp8_quant.py), and a decode batch runs
+the weight-only FP8 skinny GEMM instead (replicas/kernels/skinny_gemm.py) where start-up timing picked it for
+the layer's shape (replicas/layers/gemm_select.py). Decode reads the weight at one byte per element, half of
+bf16's. `torch._scaled_mm` wants K and N multiples of 16 (`fits`); a layer that is not stays in its float
+dtype. The LM head, embeddings and norms are not linear layers here and stay as they are. Calibrated static
+activation scales are not used: dynamic per-token scales need no calibration data and bound each row's error by
+its own range.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from replicas.kernels.fp8_quant import quantize_rows_fp8
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -90,7 +95,10 @@ class Fp8Weight(nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_rows(rows)
+        if rows.is_cuda and rows.stride(-1) == 1:
+            xq, xs = quantize_rows_fp8(rows, FP8_MAX, MIN_SCALE, FP8)
+        else:
+            xq, xs = quantize_rows(rows)
         y = torch._scaled_mm(xq, self.q.t(), scale_a=xs.unsqueeze(1), scale_b=self.scale.unsqueeze(0),
                              out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype))
         return y.view(*x.shape[:-1], -1)

@@ -1,4 +1,4 @@
-"""Per-shape choice between cuBLAS (F.linear) and the Triton skinny GEMM for the decode batch buckets.
+"""Per-shape choice between the library GEMM and the Triton skinny GEMM for the decode batch buckets.
 
 At engine start on CUDA, for each distinct weight shape (N, K) of the model's linear layers and each decode batch
 bucket M <= MAX_SKINNY_M that the CUDA graphs capture, cuBLAS and a handful of skinny configs are timed the way
@@ -8,9 +8,14 @@ Triton must beat cuBLAS by `min_gain`. A linear layer then holds its shape's tab
 dispatches with one dict lookup; an M without an entry (prefill, non-bucket eager batches, cuBLAS winners)
 goes to F.linear. TP shards are handled naturally: the shapes are the shard's. `TIDAL_SKINNY_GEMM=0` turns the
 selection (and so the skinny path) off.
+
+FP8 layers (`quantization=fp8`) are chosen the same way, per shape, between their own library path (per-token
+activation quantization, then `torch._scaled_mm`) and the skinny GEMM reading the FP8 weight directly: the
+table is keyed by (N, K, weight dtype), so a float and an FP8 layer of one shape never share a choice.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -24,6 +29,7 @@ from torch import nn
 
 from replicas import envs
 from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+from replicas.layers.fp8_linear import FP8, Fp8Weight
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +38,10 @@ SMEM_BUDGET = 100 * 1024           # shared memory of one program's pipeline sta
 MAX_ACC_ELEMS = 128 * 128          # fp32 accumulator elements per program (registers)
 MIN_WEIGHT_BYTES = 4 << 20         # smaller weights are launch-latency-bound: left to cuBLAS, no compile, no timing
 
-# (M, N, K, config or None for cuBLAS) -> seconds per call
+# (M, N, K, config or None for the library GEMM) -> seconds per call
 TimeFn = Callable[[int, int, int, Optional[SkinnyConfig]], float]
-GemmTable = dict[tuple[int, int], dict[int, SkinnyConfig]]      # (N, K) -> {M: config}, only where Triton won
+ShapeTable = dict[tuple[int, int], dict[int, SkinnyConfig]]     # (N, K) -> {M: config}, only where Triton won
+GemmTable = dict[tuple[int, int, torch.dtype], dict[int, SkinnyConfig]]     # (N, K, weight dtype) -> {M: config}
 
 
 @dataclass(frozen=True)
@@ -70,22 +77,23 @@ def fill_split(tiles: int, k: int, block_k: int, num_sms: int, max_split: int = 
     return split
 
 
-def pipeline_stages(bm: int, bn: int, bk: int, smem_bytes: int) -> int:
-    """As many stages of x and W tiles as fit in `smem_bytes` (2 to 6)."""
-    return max(2, min(6, smem_bytes // ((bm + bn) * bk * 2)))
+def pipeline_stages(bm: int, bn: int, bk: int, smem_bytes: int, weight_bytes: int = 2) -> int:
+    """As many stages of x (2 bytes an element) and W (`weight_bytes`) tiles as fit in `smem_bytes` (2 to 6)."""
+    return max(2, min(6, smem_bytes // ((2 * bm + weight_bytes * bn) * bk)))
 
 
-def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
+def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 2) -> list[SkinnyConfig]:
     """A handful of skinny configs worth timing for one (M, N, K): M tile holding the batch, N tiles of
-    32-128 columns, each with split_k = 1 and with the split that fills the GPU."""
+    32-128 columns, each with split_k = 1 and with the split that fills the GPU. A one-byte (FP8) weight takes
+    K tiles twice as long, so each weight tile moves as many bytes as a bf16 one."""
     out: list[SkinnyConfig] = []
     for bm in _block_ms(m):
         warps = 4 if bm <= 64 else 8
-        bk = 128 if bm <= 64 else 64
+        bk = (128 if bm <= 64 else 64) * (2 if weight_bytes == 1 else 1)
         for bn in (32, 64, 128):
             if bm * bn > MAX_ACC_ELEMS:
                 continue
-            stages = pipeline_stages(bm, bn, bk, SMEM_BUDGET)
+            stages = pipeline_stages(bm, bn, bk, SMEM_BUDGET, weight_bytes)
             tiles = -(-m // bm) * -(-n // bn)
             for split in sorted({1, fill_split(tiles, k, bk, num_sms)}):
                 out.append(SkinnyConfig(bm, bn, bk, split, warps, stages))
@@ -94,10 +102,10 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[SkinnyConfig
 
 def select_gemms(shapes: Iterable[tuple[int, int]], batch_sizes: Iterable[int], time_fn: TimeFn, num_sms: int,
                  candidates: Callable[[int, int, int, int], list[SkinnyConfig]] = candidate_configs,
-                 min_gain: float = 0.01) -> tuple[GemmTable, list[GemmChoice]]:
+                 min_gain: float = 0.01) -> tuple[ShapeTable, list[GemmChoice]]:
     """Times cuBLAS and the candidates for every (N, K) x bucket M <= MAX_SKINNY_M; a candidate that fails
     (compile error, out of resources) is skipped. Returns the table and every decision made."""
-    table: GemmTable = {}
+    table: ShapeTable = {}
     choices: list[GemmChoice] = []
     ms = sorted({m for m in batch_sizes if 0 < m <= MAX_SKINNY_M})
     for n, k in sorted(set(shapes)):
@@ -144,22 +152,25 @@ def time_in_graph(calls: list[Callable[[], object]], reps: int = 5) -> float:
 
 class GraphTimer:
     """time_fn for select_gemms on CUDA: seconds per call, timed over CUDA-graph replays of calls rotating over
-    weight copies that together exceed the L2 `l2_factor` times."""
+    weight copies that together exceed the L2 `l2_factor` times. With `fp8` the weights are FP8 with row
+    scales and `dtype` is the activations': the library call is then the FP8 layer's own (activation
+    quantization and `torch._scaled_mm`), the skinny call reads the FP8 weight."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, calls_per_graph: int = 8, reps: int = 5,
-                 l2_factor: float = 3.0, max_copy_bytes: int = 1 << 30):
-        self.device, self.dtype = device, dtype
+                 l2_factor: float = 3.0, max_copy_bytes: int = 1 << 30, fp8: bool = False):
+        self.device, self.dtype, self.fp8 = device, dtype, fp8
         self.calls_per_graph, self.reps = calls_per_graph, reps
         self.l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
         self.l2_factor, self.max_copy_bytes = l2_factor, max_copy_bytes
-        self._weights: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._weights: dict[tuple[int, int], list] = {}
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def weights(self, n: int, k: int) -> list[torch.Tensor]:
+    def weights(self, n: int, k: int) -> list:
         if (n, k) not in self._weights:
-            nbytes = n * k * torch.finfo(self.dtype).bits // 8
+            nbytes = n * k * (1 if self.fp8 else torch.finfo(self.dtype).bits // 8)
             copies = max(1, min(math.ceil(self.l2_factor * self.l2_bytes / nbytes), self.max_copy_bytes // nbytes))
-            self._weights = {(n, k): [torch.randn(n, k, device=self.device, dtype=self.dtype) * 0.02
+            make = ((lambda w: Fp8Weight.from_float(w)) if self.fp8 else (lambda w: w))
+            self._weights = {(n, k): [make(torch.randn(n, k, device=self.device, dtype=self.dtype) * 0.02)
                                       for _ in range(copies)]}          # one shape's copies alive at a time
         return self._weights[(n, k)]
 
@@ -167,7 +178,11 @@ class GraphTimer:
         if (m, k) not in self._inputs:
             self._inputs[(m, k)] = torch.randn(m, k, device=self.device, dtype=self.dtype)
         x, weights = self._inputs[(m, k)], self.weights(n, k)
-        call = (lambda w: F.linear(x, w)) if cfg is None else (lambda w: skinny_gemm(x, w, None, cfg))
+        if self.fp8:
+            call = ((lambda w: w.linear(x, None)) if cfg is None
+                    else (lambda w: skinny_gemm(x, w.q, None, cfg, w.scale)))
+        else:
+            call = (lambda w: F.linear(x, w)) if cfg is None else (lambda w: skinny_gemm(x, w, None, cfg))
         calls = [weights[i % len(weights)] for i in range(max(self.calls_per_graph, len(weights)))]
         return time_in_graph([lambda w=w: call(w) for w in calls], self.reps)
 
@@ -177,21 +192,27 @@ class GraphTimer:
 
 
 def skinny_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's linear layers that can dispatch to the skinny GEMM: they hold a `skinny` table and a float
-    weight (an FP8 or GGUF-quantized weight computes its own matmul)."""
-    return [mod for mod in model.modules() if hasattr(mod, "skinny") and isinstance(getattr(mod, "weight", None),
-                                                                                     nn.Parameter)]
+    """The model's linear layers that can dispatch to the skinny GEMM: they hold a `skinny` table and a float or
+    FP8 weight (a GGUF-quantized weight computes its own matmul)."""
+    return [mod for mod in model.modules()
+            if hasattr(mod, "skinny") and isinstance(getattr(mod, "weight", None), (nn.Parameter, Fp8Weight))]
+
+
+def weight_key(layer: nn.Module) -> tuple[int, int, torch.dtype]:
+    """(N, K, weight dtype): the GEMM table's key for a layer."""
+    w = layer.weight
+    return (*w.shape, w.q.dtype if isinstance(w, Fp8Weight) else w.dtype)
 
 
 def apply_table(model: nn.Module, table: GemmTable) -> None:
     for layer in skinny_layers(model):
-        layer.skinny = table.get(tuple(layer.weight.shape), {})
+        layer.skinny = table.get(weight_key(layer), {})
 
 
 def format_choices(choices: list[GemmChoice]) -> str:
-    lines = [f"{'N':>7}{'K':>7}{'M':>5}{'cuBLAS us':>11}{'skinny us':>11}  pick"]
+    lines = [f"{'N':>7}{'K':>7}{'M':>5}{'library us':>11}{'skinny us':>11}  pick"]
     for c in choices:
-        pick = f"skinny {c.best}" if c.use_skinny else "cuBLAS"
+        pick = f"skinny {c.best}" if c.use_skinny else "library"
         lines.append(f"{c.n:>7}{c.k:>7}{c.m:>5}{c.cublas_s * 1e6:>11.2f}{c.best_s * 1e6:>11.2f}  {pick}")
     return "\n".join(lines)
 
@@ -199,33 +220,37 @@ def format_choices(choices: list[GemmChoice]) -> str:
 @torch.inference_mode()
 def tune_linear_layers(model: nn.Module, batch_sizes: Iterable[int], device: torch.device,
                        time_fn: Optional[TimeFn] = None) -> Optional[GemmTable]:
-    """Selects and installs the per-bucket GEMM of every linear layer; None (layers untouched) when off."""
+    """Selects and installs the per-bucket GEMM of every linear layer, float and FP8 weights each against their
+    own library path (`time_fn`, when given, times every group); None (layers untouched) when off or failed."""
     if not skinny_enabled(device):
         return None
-    layers = skinny_layers(model)
-    if not layers:
+    groups: dict[torch.dtype, set[tuple[int, int]]] = {}
+    for layer in skinny_layers(model):
+        n, k, dtype = weight_key(layer)
+        if MIN_WEIGHT_BYTES <= n * k * dtype.itemsize and n * k < 2 ** 31:
+            groups.setdefault(dtype, set()).add((n, k))
+    if not groups:
         return None
-    dtype = layers[0].weight.dtype
-    shapes = {tuple(layer.weight.shape) for layer in layers if layer.weight.dtype == dtype
-              and MIN_WEIGHT_BYTES <= layer.weight.numel() * layer.weight.element_size()
-              and layer.weight.numel() < 2 ** 31}
-    if not shapes:
-        return None
-    timer = None
-    if time_fn is None:
-        timer = time_fn = GraphTimer(device, dtype)
+    act_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    start = time.perf_counter()
-    try:
-        table, choices = select_gemms(shapes, batch_sizes, time_fn, num_sms)
-    except Exception as e:                   # an optimisation must not stop the engine
-        log.warning("skinny GEMM selection failed (%s: %s); every linear layer stays on cuBLAS", type(e).__name__, e)
-        return None
-    finally:
-        if timer is not None:
-            timer.release()
-            torch.cuda.empty_cache()
+    start, table, choices = time.perf_counter(), {}, []
+    for dtype, shapes in groups.items():
+        fp8 = dtype == FP8
+        timer = GraphTimer(device, act_dtype if fp8 else dtype, fp8=fp8) if time_fn is None else None
+        try:
+            by_shape, made = select_gemms(shapes, batch_sizes, time_fn or timer, num_sms,
+                                          functools.partial(candidate_configs, weight_bytes=1 if fp8 else 2))
+        except Exception as e:               # an optimisation must not stop the engine
+            log.warning("skinny GEMM selection failed (%s: %s); every linear layer stays on its library GEMM",
+                        type(e).__name__, e)
+            return None
+        finally:
+            if timer is not None:
+                timer.release()
+                torch.cuda.empty_cache()
+        table.update({(n, k, dtype): per_m for (n, k), per_m in by_shape.items()})
+        choices += made
     apply_table(model, table)
-    log.info("GEMM selection (%d shapes, %.1f s):\n%s", len(shapes), time.perf_counter() - start,
+    log.info("GEMM selection (%d shapes, %.1f s):\n%s", len(table), time.perf_counter() - start,
              format_choices(choices))
     return table

@@ -6,9 +6,9 @@ by shard id so HF checkpoints load without a rewrite.
 
 Every layer's matmul goes through `_matmul`: `skinny` maps a decode batch size M to the Triton skinny GEMM
 config that beat cuBLAS for this weight shape (filled at start-up by replicas/layers/gemm_select.py); any
-other M (prefill, non-bucket batches, no table) goes to F.linear. A weight kept quantized
-(`quantize_weight`, replicas/layers/quantized_linear.py) or in FP8 (`to_fp8`, replicas/layers/fp8_linear.py)
-computes its own matmul.
+other M (prefill, non-bucket batches, no table) goes to F.linear. A weight in FP8 (`to_fp8`,
+replicas/layers/fp8_linear.py) takes the skinny GEMM the same way and otherwise computes its own matmul; one kept
+GGUF-quantized (`quantize_weight`, replicas/layers/quantized_linear.py) always computes its own.
 """
 from __future__ import annotations
 
@@ -66,12 +66,15 @@ class LinearBase(nn.Module):
         return True
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(self.weight, (QuantizedWeight, Fp8Weight)):
-            return self.weight.linear(x, bias)
+        weight = self.weight
+        if isinstance(weight, QuantizedWeight):
+            return weight.linear(x, bias)
         cfg = self.skinny.get(x.shape[0]) if x.dim() == 2 else None
+        if isinstance(weight, Fp8Weight):
+            return weight.linear(x, bias) if cfg is None else skinny_gemm(x, weight.q, bias, cfg, weight.scale)
         if cfg is None:
-            return F.linear(x, self.weight, bias)
-        return skinny_gemm(x, self.weight, bias, cfg)
+            return F.linear(x, weight, bias)
+        return skinny_gemm(x, weight, bias, cfg)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
         param.data.copy_(loaded)

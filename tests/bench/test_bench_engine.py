@@ -43,3 +43,19 @@ def test_fp8_perplexity_reports_both_paths_on_the_fixed_text():
     got = fp8_perplexity(tokens=64, device="cpu")
     assert got["tokens"] == 64 and got["text"].endswith("LICENSE.txt")
     assert 1 < got["bf16"] < 1000 and 0.9 < got["ratio"] < 1.1, got
+
+
+def test_update_replaces_the_measured_rows_and_names_where_every_row_came_from():
+    from bench.engine import merge_results
+    old = {"provenance": {"commit": "a"}, "shapes": {"qwen3-0.6b": {"x": 1}, "llama3-8b": {"x": 2}},
+           "attention": {"y": 3}, "fp8_vs_bf16": {"smollm2": {"decode_b1": 1.5}}}
+    new = {"provenance": {"commit": "b"}, "shapes": {"llama3-8b": {"x": 4}, "llama3-8b:fp8": {"x": 5}},
+           "fp8_vs_bf16": {"llama3-8b": {"decode_b1": 1.8}}}
+    merged = merge_results(old, new)
+    assert merged["shapes"] == {"qwen3-0.6b": {"x": 1}, "llama3-8b": {"x": 4}, "llama3-8b:fp8": {"x": 5}}
+    assert merged["attention"] == {"y": 3} and merged["provenance"] == {"commit": "b"}
+    assert set(merged["fp8_vs_bf16"]) == {"smollm2", "llama3-8b"}
+    assert merged["rows_from"] == {"qwen3-0.6b": {"commit": "a"}, "llama3-8b": {"commit": "b"},
+                                   "llama3-8b:fp8": {"commit": "b"}}
+    again = merge_results(merged, {"provenance": {"commit": "c"}, "shapes": {"smollm2": {}}})
+    assert again["rows_from"]["qwen3-0.6b"] == {"commit": "a"} and again["rows_from"]["smollm2"] == {"commit": "c"}

@@ -83,7 +83,7 @@ def test_tuned_mlp_in_a_cuda_graph_matches_cublas():
     for p in mlp.parameters():
         p.data.normal_(0, 0.02)
     table = tune_linear_layers(mlp, [16, 64, 300], torch.device("cuda"))
-    assert table is not None and set(table) == {(8192, 1024), (1024, 4096)}
+    assert table is not None and set(table) == {(8192, 1024, torch.bfloat16), (1024, 4096, torch.bfloat16)}
     assert all(set(per_m) <= {16, 64} for per_m in table.values())
     forced = {shape: {64: SkinnyConfig(64, 64, 128, 4, 4, 4)} for shape in table}
     apply_table(mlp, forced)

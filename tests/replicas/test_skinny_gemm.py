@@ -68,6 +68,17 @@ def test_skinny_gemm_strided_input_rows():
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_skinny_gemm_reads_an_fp8_weight_with_its_row_scales(split):
+    from replicas.layers.fp8_linear import quantize_rows
+    gen = torch.Generator().manual_seed(split)
+    x = torch.randn(5, 200, generator=gen).to(DEVICE)
+    q, scale = quantize_rows(torch.randn(40, 200, generator=gen))
+    bias = torch.randn(40, generator=gen).to(DEVICE)
+    y = skinny_gemm(x, q.to(DEVICE), bias, SkinnyConfig(16, 16, 32, split, 4, 2), scale.to(DEVICE))
+    torch.testing.assert_close(y, x @ (q.float() * scale[:, None]).T.to(DEVICE) + bias, **TOL[torch.float32])
+
+
 # ---- selection -------------------------------------------------------------------------------------------------
 
 def test_candidates_fit_the_tile_limits_and_fill_split_fills_the_gpu():
@@ -78,6 +89,8 @@ def test_candidates_fit_the_tile_limits_and_fill_split_fills_the_gpu():
             assert c.block_m >= min(m, 16) and c.block_m * c.block_n <= gemm_select.MAX_ACC_ELEMS
             assert (c.block_m + c.block_n) * c.block_k * 2 * c.num_stages <= gemm_select.SMEM_BUDGET
         assert any(c.split_k == 1 for c in cands) and any(c.split_k > 1 for c in cands)
+    for c in candidate_configs(16, 4096, 4096, 132, weight_bytes=1):        # FP8: K tiles of as many bytes
+        assert c.block_k == 256 and (2 * c.block_m + c.block_n) * c.block_k * c.num_stages <= gemm_select.SMEM_BUDGET
     assert fill_split(64, 4096, 128, 132) == 8         # 64 tiles -> 512 programs >= 2 per SM
     assert fill_split(448, 4096, 128, 132) == 1        # gate_up already fills the GPU
     assert fill_split(8, 512, 128, 132) == 2           # short K: at least 2 K tiles per split
@@ -136,8 +149,8 @@ def test_linear_layers_dispatch_on_the_bucket(monkeypatch):
     layer = tiny_llama_layer()["mlp"]
     for p in layer.parameters():
         p.data.normal_(0, 0.1)
-    shapes = {tuple(m.weight.shape) for m in (layer.gate_up_proj, layer.down_proj)}
-    table = {s: {4: SkinnyConfig(16, 16, 32, 2, 4, 2)} for s in shapes}
+    table = {gemm_select.weight_key(m): {4: SkinnyConfig(16, 16, 32, 2, 4, 2)}
+             for m in (layer.gate_up_proj, layer.down_proj)}
     apply_table(layer, table)
     used = []
     real = linear.skinny_gemm
@@ -150,6 +163,32 @@ def test_linear_layers_dispatch_on_the_bucket(monkeypatch):
     apply_table(layer, {})
     torch.testing.assert_close(y4, layer(x4), **TOL[torch.float32])
     assert len(used) == 2
+
+
+def test_fp8_layers_take_the_skinny_gemm_on_their_buckets_and_their_own_matmul_otherwise(monkeypatch):
+    from replicas.layers import linear
+    from replicas.layers.fp8_linear import FP8
+
+    torch.manual_seed(0)
+    layer = tiny_llama_layer()["mlp"]
+    for p in layer.parameters():
+        p.data.normal_(0, 0.1)
+    assert layer.gate_up_proj.to_fp8() and layer.down_proj.to_fp8()
+    assert {gemm_select.weight_key(m)[2] for m in gemm_select.skinny_layers(layer)} == {FP8}
+    table = {gemm_select.weight_key(m): {4: SkinnyConfig(16, 16, 32, 1, 4, 2)}
+             for m in gemm_select.skinny_layers(layer)}
+    apply_table(layer, table)
+    scales = []
+    real = linear.skinny_gemm
+    monkeypatch.setattr(linear, "skinny_gemm", lambda *a: scales.append(a[4]) or real(*a))
+    x4 = torch.randn(4, 64)
+    y4 = layer(x4)
+    assert len(scales) == 2 and all(s is not None and s.dtype == torch.float32 for s in scales)
+    layer(torch.randn(5, 64))
+    assert len(scales) == 2                                    # M=5: the layer's own quantized matmul
+    up, down = (m.weight.dequantize() for m in (layer.gate_up_proj, layer.down_proj))
+    gate, lin = (x4 @ up.T).chunk(2, dim=-1)
+    torch.testing.assert_close(y4, (F.silu(gate) * lin) @ down.T, **TOL[torch.float32])   # weight-only: exact
 
 
 def test_tune_linear_layers_is_off_on_cpu_and_by_env(monkeypatch):
@@ -187,6 +226,6 @@ def test_tune_linear_layers_survives_a_failing_timer(monkeypatch):
     assert tune_linear_layers(layer, [16], torch.device("cuda", 0), broken) is None
     table = tune_linear_layers(layer, [16, 32], torch.device("cuda", 0),
                                lambda m, n, k, cfg: 2.0 if cfg is None else 0.5 + cfg.split_k)
-    assert set(table) == {tuple(m.weight.shape) for m in gemm_select.skinny_layers(layer)}
+    assert set(table) == {gemm_select.weight_key(m) for m in gemm_select.skinny_layers(layer)}
     for mod in gemm_select.skinny_layers(layer):
         assert set(mod.skinny) == {16, 32} and all(c.split_k == 1 for c in mod.skinny.values())
