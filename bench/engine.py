@@ -10,8 +10,9 @@ prefix-cache hit carries over). Throughput counts generated tokens only, over th
 `LLM.generate` call (scheduling, sampling and Python included).
 Random bf16 weights for the Qwen3-0.6B and Llama-3-8B shapes; SmolLM2-135M's real GGUF weights. With
 `--quantization bf16,fp8` each shape also runs with FP8 linear weights (replicas/layers/fp8_linear.py), its
-bytes counted as stored (one byte a weight plus the row scales), and SmolLM2's perplexity on a fixed text is
-reported both ways (`fp8_perplexity`).
+bytes counted as stored (one byte a weight plus the row scales), and, when smollm2 is among the shapes, SmolLM2's
+perplexity on a fixed text is reported both ways (`fp8_perplexity`). The JSON is written again after every
+shape, so a run cut short keeps the rows it finished.
 Roofline: decode step = one graph-replayed forward of B sequences (B = 64, 128, 256; the profiled one is
 64, the workload's own steady state is 256 running) at a fixed context, counted bytes =
 every weight once + the K/V of every context token once; prefill = one 8192-token chunk, counted FLOPs =
@@ -254,32 +255,42 @@ def main() -> None:
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seed": 0,
            "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
            "method": __doc__.strip(), "shapes": {}}
+    base = None
+    if args.update and os.path.exists(args.out):
+        with open(args.out) as f:
+            base = json.load(f)
     for shape in args.shapes.split(","):
         for q in quantizations:
             res["shapes"][shape if q == "bf16" else f"{shape}:{q}"] = bench_shape(shape, args, ceil, q)
             gc.collect()
             torch.cuda.empty_cache()       # the next engine sizes its KV pool from the memory free now
-    res["fp8_vs_bf16"] = {shape: fp8_speedups(res["shapes"][shape], res["shapes"][f"{shape}:fp8"])
-                          for shape in args.shapes.split(",") if "fp8" in quantizations and "bf16" in quantizations}
-    if "fp8" in quantizations:
+            write_results(args, res, base)
+    if "fp8" in quantizations and "smollm2" in args.shapes.split(","):
         res["fp8_perplexity"] = fp8_perplexity(gpu_memory_utilization=0.3)
     if args.attention:
         from bench.attention_kernels import bench_decode, bench_tree_extend
         res["attention"] = {**bench_decode(False, ceil.copy_bytes_per_s), **bench_tree_extend(False)}
         res["attention_decode_bw_fraction"] = res["attention"]["attention_decode_bw_fraction"]
         res["tree_mask_overhead"] = res["attention"]["tree_mask_overhead"]
-    if args.update and os.path.exists(args.out):
-        with open(args.out) as f:
-            res = merge_results(json.load(f), res)
-    big = res["shapes"].get("llama3-8b", {})
-    res["decode_bw_fraction"] = big.get("decode_bw_fraction")
-    res["prefill_matmul_fraction"] = big.get("prefill_matmul_fraction")
-    res["throughput_vs_hf"] = res["shapes"].get(args.hf_shape, {}).get("throughput_vs_hf")
-    report(res)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2, default=float)
+    report(write_results(args, res, base))
     print(f"wrote {args.out}")
+
+
+def write_results(args: argparse.Namespace, res: dict, base: dict | None) -> dict:
+    """The run so far with its summary keys, merged into `base` (the file as it was before an --update run),
+    written to --out."""
+    res["fp8_vs_bf16"] = {shape: fp8_speedups(res["shapes"][shape], res["shapes"][f"{shape}:fp8"])
+                          for shape in args.shapes.split(",")
+                          if shape in res["shapes"] and f"{shape}:fp8" in res["shapes"]}
+    out = res if base is None else merge_results(base, res)
+    big = out["shapes"].get("llama3-8b", {})
+    out["decode_bw_fraction"] = big.get("decode_bw_fraction")
+    out["prefill_matmul_fraction"] = big.get("prefill_matmul_fraction")
+    out["throughput_vs_hf"] = out["shapes"].get(args.hf_shape, {}).get("throughput_vs_hf")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2, default=float)
+    return out
 
 
 def merge_results(old: dict, new: dict) -> dict:
