@@ -22,7 +22,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
     for k in range(0, K, BLOCK):
         mask = k + offs < K
         v = tl.load(x_ptr + row * stride_x + k + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)   # IEEE division, as torch's
         q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q_ptr + row * stride_q + k + offs, q, mask=mask)
     tl.store(s_ptr + row, scale)

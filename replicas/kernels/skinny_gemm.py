@@ -9,10 +9,14 @@ Split-K writes fp32 partials [split_k, M, N] to a workspace that one reduce kern
 CUDA-graph safe: the grid depends only on shapes, and the workspace is a plain `torch.empty` inside the call
 (a captured call takes it from the graph's pool).
 
-FP8 weights (`quantization=fp8`, replicas/layers/fp8_linear.py) run here as weight-only: the kernel reads the E4M3
-weight tile (one byte an element), widens it to the activation dtype in registers and scales each output column
-by its row scale once, after the K loop (y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]). Decode then streams half
-of bf16's bytes with no per-token activation quantization in front of the GEMM.
+FP8 weights (`quantization=fp8`, replicas/layers/fp8_linear.py) are read as they are stored (one byte an element)
+and each output column is scaled by its row scale once, after the K loop. Two ways to multiply a tile, both timed
+by the selection (`fp8_dot`):
+- weight-only: the E4M3 tile is widened to the activation dtype in registers (y[m, n] = scale[n] * sum_k
+  x[m, k] * q[n, k]);
+- FP8 tensor cores: each x tile is quantized to E4M3 in registers with one scale per row of the tile, and the
+  tile product of the two FP8 operands is scaled by it before it is added. The scales are finer than the library
+  path's one per token, and no separate activation kernel runs in front of the GEMM.
 """
 from __future__ import annotations
 
@@ -33,10 +37,11 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    fp8_dot: bool = False          # FP8 weights only: FP8 x FP8 tile products (module docstring)
 
     def __str__(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}st{self.num_stages}")
+                f"w{self.num_warps}st{self.num_stages}{'d8' if self.fp8_dot else ''}")
 
 
 def split_k_range(k: int, cfg: SkinnyConfig) -> int:
@@ -50,7 +55,7 @@ def _skinny_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    FP8_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -76,9 +81,15 @@ def _skinny_gemm_kernel(
             k_mask = (k + offs_k) < k_hi
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        if HAS_SCALE:
-            w = w.to(x.dtype)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if FP8_DOT:
+            xf = x.to(tl.float32)
+            xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1e-12)
+            xq = tl.minimum(tl.maximum(xf / xs[:, None], -448.0), 448.0).to(w.dtype)
+            acc += tl.dot(xq, tl.trans(w)) * xs[:, None]
+        else:
+            if HAS_SCALE:
+                w = w.to(x.dtype)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -116,6 +127,7 @@ def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: S
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(1) == 1
     assert x.dtype == weight.dtype if scale is None else (scale.shape == (n,) and scale.dtype == torch.float32)
+    assert scale is not None or not cfg.fp8_dot
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -135,6 +147,7 @@ def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: S
         x2, weight, y if scale is None else scale, b, y, ws, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         k_per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        FP8_DOT=cfg.fp8_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -10,7 +10,7 @@ dtype:
     y[m, n] = xs[m] * scale[n] * sum_k xq[m, k] * q[n, k]
 
 On the GPU one Triton kernel quantizes the activations (replicas/kernels/fp8_quant.py), and a decode batch runs
-the weight-only FP8 skinny GEMM instead (replicas/kernels/skinny_gemm.py) where start-up timing picked it for
+the FP8 skinny GEMM instead (weight-only or on FP8 tensor cores) (replicas/kernels/skinny_gemm.py) where start-up timing picked it for
 the layer's shape (replicas/layers/gemm_select.py). Decode reads the weight at one byte per element, half of
 bf16's. `torch._scaled_mm` wants K and N multiples of 16 (`fits`); a layer that is not stays in its float
 dtype. The LM head, embeddings and norms are not linear layers here and stay as they are. Calibrated static

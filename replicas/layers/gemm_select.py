@@ -85,7 +85,8 @@ def pipeline_stages(bm: int, bn: int, bk: int, smem_bytes: int, weight_bytes: in
 def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 2) -> list[SkinnyConfig]:
     """A handful of skinny configs worth timing for one (M, N, K): M tile holding the batch, N tiles of
     32-128 columns, each with split_k = 1 and with the split that fills the GPU. A one-byte (FP8) weight takes
-    K tiles twice as long, so each weight tile moves as many bytes as a bf16 one."""
+    K tiles twice as long, so each weight tile moves as many bytes as a bf16 one, and each tile shape is tried both
+    weight-only and on FP8 tensor cores."""
     out: list[SkinnyConfig] = []
     for bm in _block_ms(m):
         warps = 4 if bm <= 64 else 8
@@ -97,6 +98,8 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
             tiles = -(-m // bm) * -(-n // bn)
             for split in sorted({1, fill_split(tiles, k, bk, num_sms)}):
                 out.append(SkinnyConfig(bm, bn, bk, split, warps, stages))
+                if weight_bytes == 1 and bm <= 128:        # FP8 tensor cores too (kernels/skinny_gemm.py)
+                    out.append(SkinnyConfig(bm, bn, bk, split, warps, stages, fp8_dot=True))
     return out
 
 

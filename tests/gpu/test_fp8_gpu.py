@@ -1,6 +1,7 @@
 """FP8 linear weights on a CUDA GPU (quantization=fp8): the activation quantizer kernel writes what the torch rule
 writes, torch._scaled_mm with row scales equals the float product of the quantized operands at decode and prefill
-sizes, the weight-only FP8 skinny GEMM equals the product with the dequantized weight, the start-up selection
+sizes, the FP8 skinny GEMM equals the product with the dequantized weight (weight-only) or is as close to it as
+the library path (FP8 tensor cores), the start-up selection
 covers FP8 layers and its choice replays in a CUDA graph, and the default model in FP8 (CUDA graphs) keeps its
 perplexity within 2% of bf16's."""
 import pytest
@@ -55,7 +56,10 @@ def test_fp8_skinny_gemm_equals_the_product_with_the_dequantized_weight(m, n, k)
     for cfg in FP8_CONFIGS:
         y = skinny_gemm(x, weight.q, bias, cfg, weight.scale)
         assert y.dtype == torch.bfloat16
-        torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2, msg=lambda s: f"{cfg}: {s}")
+        if cfg.fp8_dot:        # x tiles in E4M3 too: close to the product, as the library path is
+            assert (y.float() - want).norm() / want.norm() < 0.05, cfg
+        else:
+            torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2, msg=lambda s: f"{cfg}: {s}")
 
 
 def test_selection_covers_fp8_layers_and_their_choice_replays_in_a_cuda_graph():

@@ -4,6 +4,7 @@ linear layers' dispatch, and the decode attention split policy.
 The interpreter's tl.dot multiplies bfloat16 operands as raw bits (triton 3.9), so these CPU cases use float32
 and float16; bfloat16 is covered by tests/gpu/test_skinny_gemm_gpu.py.
 """
+import dataclasses
 import os
 
 import torch
@@ -69,14 +70,19 @@ def test_skinny_gemm_strided_input_rows():
 
 
 @pytest.mark.parametrize("split", [1, 3])
-def test_skinny_gemm_reads_an_fp8_weight_with_its_row_scales(split):
+@pytest.mark.parametrize("fp8_dot", [False, True])
+def test_skinny_gemm_reads_an_fp8_weight_with_its_row_scales(split, fp8_dot):
     from replicas.layers.fp8_linear import quantize_rows
     gen = torch.Generator().manual_seed(split)
     x = torch.randn(5, 200, generator=gen).to(DEVICE)
     q, scale = quantize_rows(torch.randn(40, 200, generator=gen))
     bias = torch.randn(40, generator=gen).to(DEVICE)
-    y = skinny_gemm(x, q.to(DEVICE), bias, SkinnyConfig(16, 16, 32, split, 4, 2), scale.to(DEVICE))
-    torch.testing.assert_close(y, x @ (q.float() * scale[:, None]).T.to(DEVICE) + bias, **TOL[torch.float32])
+    y = skinny_gemm(x, q.to(DEVICE), bias, SkinnyConfig(16, 16, 32, split, 4, 2, fp8_dot), scale.to(DEVICE))
+    want = x @ (q.float() * scale[:, None]).T.to(DEVICE) + bias
+    if fp8_dot:        # x tiles in E4M3 too: a 3-bit mantissa's error, spread over the sum
+        assert (y - want).norm() / want.norm() < 0.08
+    else:
+        torch.testing.assert_close(y, want, **TOL[torch.float32])
 
 
 # ---- selection -------------------------------------------------------------------------------------------------
@@ -89,8 +95,11 @@ def test_candidates_fit_the_tile_limits_and_fill_split_fills_the_gpu():
             assert c.block_m >= min(m, 16) and c.block_m * c.block_n <= gemm_select.MAX_ACC_ELEMS
             assert (c.block_m + c.block_n) * c.block_k * 2 * c.num_stages <= gemm_select.SMEM_BUDGET
         assert any(c.split_k == 1 for c in cands) and any(c.split_k > 1 for c in cands)
-    for c in candidate_configs(16, 4096, 4096, 132, weight_bytes=1):        # FP8: K tiles of as many bytes
+    fp8 = candidate_configs(16, 4096, 4096, 132, weight_bytes=1)       # FP8: K tiles of as many bytes, both ways
+    for c in fp8:
         assert c.block_k == 256 and (2 * c.block_m + c.block_n) * c.block_k * c.num_stages <= gemm_select.SMEM_BUDGET
+    assert {c for c in fp8 if c.fp8_dot} == {dataclasses.replace(c, fp8_dot=True) for c in fp8 if not c.fp8_dot}
+    assert not any(c.fp8_dot for c in candidate_configs(16, 4096, 4096, 132))
     assert fill_split(64, 4096, 128, 132) == 8         # 64 tiles -> 512 programs >= 2 per SM
     assert fill_split(448, 4096, 128, 132) == 1        # gate_up already fills the GPU
     assert fill_split(8, 512, 128, 132) == 2           # short K: at least 2 K tiles per split
