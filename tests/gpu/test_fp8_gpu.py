@@ -27,7 +27,9 @@ def test_scaled_mm_equals_the_float_product_of_the_quantized_operands(rows):
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 1536)
     xq, xs = quantize_rows(x)
     want = (xq.float() * xs.unsqueeze(1)) @ weight.dequantize().T + bias.float()
-    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)      # bf16 output rounding
+    # Hopper's FP8 tensor cores accumulate with fewer bits than float32: the error scales with the terms summed
+    # (here |y| ~ 24), so the bound is absolute at that scale, plus the bf16 output's rounding.
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("rows,k", [(1, 576), (7, 300), (64, 4096), (8192, 14336)])
