@@ -1,8 +1,11 @@
 """Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with M small (a decode batch, <= 256).
 
 The weights dominate the bytes, so the grid runs over N tiles (x K splits) and each program keeps every row of
-its M tile in registers: each weight tile is read from HBM once. When M spans several M tiles, the M tile is the
-fastest-varying program index, so the programs sharing a weight tile run side by side and share it through L2.
+its M tile in registers: each weight tile is read from HBM once. A tile product runs on tensor cores (`tl.dot`,
+M tiles of 16 rows or more) or, for batches of a few rows, on CUDA cores (`gemv`: each weight element is
+multiplied by the 1, 2 or 4 rows of its M tile and summed along K), which wastes no tensor-core rows on padding.
+When M spans several M tiles, the M tile is the fastest-varying program index, so the programs sharing a weight
+tile run side by side and share it through L2.
 Split-K writes fp32 partials [split_k, M, N] to a workspace that one reduce kernel sums in split order
 (deterministic); with split_k == 1 the GEMM kernel writes y directly. Accumulation is always fp32.
 
@@ -38,10 +41,15 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     fp8_dot: bool = False          # FP8 weights only: FP8 x FP8 tile products (module docstring)
+    gemv: bool = False             # products on CUDA cores, no tensor-core tile: block_m may be 1, 2 or 4
+
+    def __post_init__(self):
+        if self.gemv and self.fp8_dot:
+            raise ValueError("a skinny config multiplies on CUDA cores (gemv) or on FP8 tensor cores, not both")
 
     def __str__(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}st{self.num_stages}{'d8' if self.fp8_dot else ''}")
+                f"w{self.num_warps}st{self.num_stages}{'d8' if self.fp8_dot else ''}{'v' if self.gemv else ''}")
 
 
 def split_k_range(k: int, cfg: SkinnyConfig) -> int:
@@ -55,7 +63,7 @@ def _skinny_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-    FP8_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_DOT: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -81,7 +89,9 @@ def _skinny_gemm_kernel(
             k_mask = (k + offs_k) < k_hi
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        if FP8_DOT:
+        if GEMV:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif FP8_DOT:
             xf = x.to(tl.float32)
             xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1e-12)
             xq = tl.minimum(tl.maximum(xf / xs[:, None], -448.0), 448.0).to(w.dtype)
@@ -147,7 +157,7 @@ def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: S
         x2, weight, y if scale is None else scale, b, y, ws, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         k_per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        FP8_DOT=cfg.fp8_dot,
+        FP8_DOT=cfg.fp8_dot, GEMV=cfg.gemv,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 MAX_SKINNY_M = 256                 # above this a decode GEMM is compute-bound enough for cuBLAS
 SMEM_BUDGET = 100 * 1024           # shared memory of one program's pipeline stages: two programs fit on an SM
 MAX_ACC_ELEMS = 128 * 128          # fp32 accumulator elements per program (registers)
+MAX_GEMV_M = 4                     # batches this small also try products on CUDA cores (SkinnyConfig.gemv)
+GEMV_TILE_ELEMS = 8192             # rows x columns x K of one gemv tile product: 64 fp32 values a thread at 4 warps
 MIN_WEIGHT_BYTES = 4 << 20         # smaller weights are launch-latency-bound: left to cuBLAS, no compile, no timing
 
 # (M, N, K, config or None for the library GEMM) -> seconds per call
@@ -86,7 +88,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
     """A handful of skinny configs worth timing for one (M, N, K): M tile holding the batch, N tiles of
     32-128 columns, each with split_k = 1 and with the split that fills the GPU. A one-byte (FP8) weight takes
     K tiles twice as long, so each weight tile moves as many bytes as a bf16 one, and each tile shape is tried both
-    weight-only and on FP8 tensor cores."""
+    weight-only and on FP8 tensor cores. Batches of at most MAX_GEMV_M rows also try CUDA-core products."""
     out: list[SkinnyConfig] = []
     for bm in _block_ms(m):
         warps = 4 if bm <= 64 else 8
@@ -100,6 +102,13 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
                 out.append(SkinnyConfig(bm, bn, bk, split, warps, stages))
                 if weight_bytes == 1 and bm <= 128:        # FP8 tensor cores too (kernels/skinny_gemm.py)
                     out.append(SkinnyConfig(bm, bn, bk, split, warps, stages, fp8_dot=True))
+    if m <= MAX_GEMV_M:
+        bm = 1 << (m - 1).bit_length()
+        for bn in (8, 16, 32):
+            bk = min(1024, GEMV_TILE_ELEMS // (bm * bn))
+            tiles = -(-n // bn)
+            for split in sorted({1, fill_split(tiles, k, bk, num_sms)}):
+                out.append(SkinnyConfig(bm, bn, bk, split, 4, 3, gemv=True))
     return out
 
 

@@ -16,7 +16,7 @@ from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 N_CASES = 240
-CONFIGS = sorted({c for m in (8, 64, 128, 256) for c in candidate_configs(m, 4096, 4096, 132)}, key=str) + [
+CONFIGS = sorted({c for m in (1, 8, 64, 128, 256) for c in candidate_configs(m, 4096, 4096, 132)}, key=str) + [
     SkinnyConfig(16, 16, 64, 3, 4, 2), SkinnyConfig(64, 256, 64, 1, 8, 3)]
 TOL = dict(atol=2e-2, rtol=2e-2)
 

@@ -33,6 +33,9 @@ GEMM_CASES = [  # m, n, k, config: ragged M, N and K off the blocks, split_k 1 a
     (17, 48, 96, SkinnyConfig(32, 16, 32, 2, 4, 3)),
     (7, 9, 40, SkinnyConfig(16, 16, 16, 8, 4, 2)),          # more splits than K chunks: empty splits write zeros
     (64, 64, 128, SkinnyConfig(64, 32, 32, 4, 4, 4)),
+    (1, 40, 300, SkinnyConfig(1, 16, 64, 1, 4, 3, gemv=True)),           # CUDA-core products, ragged K
+    (3, 50, 257, SkinnyConfig(4, 8, 64, 3, 4, 3, gemv=True)),            # a 4-row tile holding 3 rows, split K
+    (5, 24, 96, SkinnyConfig(2, 8, 32, 1, 4, 3, gemv=True)),             # 3 M tiles of 2 rows, the last ragged
 ]
 
 
@@ -70,14 +73,15 @@ def test_skinny_gemm_strided_input_rows():
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("fp8_dot", [False, True])
-def test_skinny_gemm_reads_an_fp8_weight_with_its_row_scales(split, fp8_dot):
+@pytest.mark.parametrize("fp8_dot,gemv", [(False, False), (True, False), (False, True)])
+def test_skinny_gemm_reads_an_fp8_weight_with_its_row_scales(split, fp8_dot, gemv):
     from replicas.layers.fp8_linear import quantize_rows
     gen = torch.Generator().manual_seed(split)
     x = torch.randn(5, 200, generator=gen).to(DEVICE)
     q, scale = quantize_rows(torch.randn(40, 200, generator=gen))
     bias = torch.randn(40, generator=gen).to(DEVICE)
-    y = skinny_gemm(x, q.to(DEVICE), bias, SkinnyConfig(16, 16, 32, split, 4, 2, fp8_dot), scale.to(DEVICE))
+    cfg = SkinnyConfig(4 if gemv else 16, 16, 32, split, 4, 2, fp8_dot, gemv)
+    y = skinny_gemm(x, q.to(DEVICE), bias, cfg, scale.to(DEVICE))
     want = x @ (q.float() * scale[:, None]).T.to(DEVICE) + bias
     if fp8_dot:        # x tiles in E4M3 too: a 3-bit mantissa's error, spread over the sum
         assert (y - want).norm() / want.norm() < 0.08
@@ -100,6 +104,13 @@ def test_candidates_fit_the_tile_limits_and_fill_split_fills_the_gpu():
         assert c.block_k == 256 and (2 * c.block_m + c.block_n) * c.block_k * c.num_stages <= gemm_select.SMEM_BUDGET
     assert {c for c in fp8 if c.fp8_dot} == {dataclasses.replace(c, fp8_dot=True) for c in fp8 if not c.fp8_dot}
     assert not any(c.fp8_dot for c in candidate_configs(16, 4096, 4096, 132))
+    for m in (1, 3, 4):                                     # a few rows: CUDA-core products too, one M tile
+        gemv = [c for c in candidate_configs(m, 4096, 4096, 132) if c.gemv]
+        assert gemv and all(c.block_m == (1 if m == 1 else 4) for c in gemv)
+        assert all(c.block_m * c.block_n * c.block_k <= gemm_select.GEMV_TILE_ELEMS for c in gemv)
+    assert not any(c.gemv for c in candidate_configs(5, 4096, 4096, 132))
+    with pytest.raises(ValueError):
+        SkinnyConfig(gemv=True, fp8_dot=True)
     assert fill_split(64, 4096, 128, 132) == 8         # 64 tiles -> 512 programs >= 2 per SM
     assert fill_split(448, 4096, 128, 132) == 1        # gate_up already fills the GPU
     assert fill_split(8, 512, 128, 132) == 2           # short K: at least 2 K tiles per split
