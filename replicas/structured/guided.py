@@ -10,16 +10,19 @@ Per step (replicas/engine.py, `LLMEngine._run`), for the constrained sequences t
      (replicas/structured/bitmask.py).
   3. `advance(seqs, tokens)`, right after sampling: on the worker, one batched call advances every matcher by its
      sampled token, then the same matchers' rows are filled ahead into the other host buffer (in a steady decode
-     the next step's constrained rows are mostly the same sequences), while the engine appends the tokens.
-  4. `finish_advance()`, before the step's outputs leave: waits for 3 and returns the sequences whose sampled token
-     the grammar refused (their requests fail before that token reaches a client).
+     the next step's constrained rows are mostly the same sequences). The fill runs on while the engine appends
+     the tokens, emits the outputs, schedules the next step and launches its forward; the next step's
+     `token_mask` waits for it.
+  4. `finish_advance()`, before the step's outputs leave: waits for the accepts of 3 (not the fill) and returns the
+     sequences whose sampled token the grammar refused (their requests fail before that token reaches a client).
 
 Invariant: when a step starts, each matcher has accepted exactly `state.num_tokens` of its sequence's output
 tokens. A sequence's output only grows at its end or is cut back to a prefix; a preempted sequence recomputes its KV
 and keeps its tokens, so its matcher stands. `sync` rolls a matcher back to its sequence's tokens (or accepts the
 ones it has not seen), so whatever changed a sequence's tokens leaves its grammar state right; a row filled ahead
 is used only when the count it was filled at is still the sequence's output length. Matchers are touched by one
-thread at a time: the worker only between `advance` and `finish_advance` (or the next `start`, which waits).
+thread at a time: the worker from `advance` until its fill ahead is done; the engine's thread touches them only in
+`start`, after waiting for that fill (the worker is one thread: its tasks run in the order they were submitted).
 
 Two host bitmask buffers alternate: the step's rows are copied to the device from one while the rows of the next
 step are filled ahead into the other; a buffer is written again only after the engine read the sampled tokens back
@@ -62,7 +65,8 @@ class _Ahead:
     seqs: list
     tokens: list[int]
     buffer: torch.Tensor
-    future: Future
+    accepted: Future                # (accepted, live) per sequence
+    filled: Future                  # the buffer, once its rows are filled
     counts: Optional[list] = None
 
 
@@ -105,24 +109,27 @@ class GuidedDecoding:
         self._ahead = None
         filled = {} if ahead is None else {id(seq): (row, n) for row, (seq, n) in
                                            enumerate(zip(ahead.seqs, ahead.counts)) if n is not None}
-        reuse_src, reuse_dst, fresh, fresh_rows = [], [], [], []
+        reuse_src, reuse_dst, fresh_rows = [], [], []
         for row, seq in enumerate(seqs):
             hit = filled.get(id(seq))
             if hit is not None and hit[1] == seq.grammar.num_tokens == seq.num_output_tokens:
                 reuse_src.append(hit[0])
                 reuse_dst.append(row)
-                continue
+            else:
+                fresh_rows.append(row)
+        if not fresh_rows and reuse_src == reuse_dst:     # the steady decode: the rows filled ahead, in place
+            self._step_buffer = 1 - self._step_buffer
+            return ahead.filled
+        if ahead is not None:
+            ahead.filled.result()                # the worker is done with the matchers
+        fresh = []
+        for row in fresh_rows:
+            seq = seqs[row]
             try:
                 self.sync(seq)
             except GrammarError as e:
                 broken.append((seq, e))
             fresh.append(seq.grammar.matcher)
-            fresh_rows.append(row)
-        if not fresh and reuse_src == reuse_dst:     # the steady decode: the rows filled ahead, in place
-            self._step_buffer = 1 - self._step_buffer
-            done: Future = Future()
-            done.set_result(ahead.buffer[:len(seqs)])
-            return done
         buffer = self._buffer(self._step_buffer)         # the previous step's: not the one holding rows to reuse
         return self._pool.submit(self._fill_step, buffer, len(seqs), ahead.buffer if reuse_src else None,
                                  reuse_src, reuse_dst, fresh, fresh_rows)
@@ -143,7 +150,7 @@ class GuidedDecoding:
 
     def token_mask(self, pending: Future, rows: Seq[int], device) -> TokenMask:
         """The filled bitmask on `device`; `rows` are the sampler batch's rows of the filled sequences."""
-        host = pending.result()
+        host = pending.result()[:len(rows)]
         return TokenMask(to_device(np.asarray(rows, dtype=np.int64), device), host.to(device, non_blocking=True))
 
     def advance(self, seqs: Seq["Sequence"], tokens: Seq[int]) -> None:
@@ -151,23 +158,26 @@ class GuidedDecoding:
         worker); `finish_advance` collects it."""
         matchers, tokens = [seq.grammar.matcher for seq in seqs], list(tokens)
         buffer = self._buffer(1 - self._step_buffer)
-        self._ahead = _Ahead(list(seqs), tokens, buffer,
-                             self._pool.submit(self._accept_and_fill, matchers, tokens, buffer))
+        accepted = self._pool.submit(self._accept, matchers, tokens)
+        self._ahead = _Ahead(list(seqs), tokens, buffer, accepted,
+                             self._pool.submit(self._fill_ahead, matchers, accepted, buffer))
 
-    def _accept_and_fill(self, matchers: list, tokens: list, buffer: torch.Tensor) -> tuple[list[bool], list[bool]]:
+    def _accept(self, matchers: list, tokens: list) -> tuple[list[bool], list[bool]]:
         backend = self.cache.backend
         accepted = backend.accept(matchers, tokens)
-        live = [not backend.is_terminated(m) for m in matchers]     # a finished grammar has no next row
-        rows = [i for i, on in enumerate(live) if on]
+        return accepted, [not backend.is_terminated(m) for m in matchers]     # a finished grammar has no next row
+
+    def _fill_ahead(self, matchers: list, accepted: Future, buffer: torch.Tensor) -> torch.Tensor:
+        rows = [i for i, on in enumerate(accepted.result()[1]) if on]         # done: submitted before this task
         if rows:
             self._fill([matchers[i] for i in rows], buffer, rows)
-        return accepted, live
+        return buffer
 
     def finish_advance(self) -> list[tuple["Sequence", int]]:
         """Wait for `advance`; (sequence, token) where the grammar refused the sampled token (its matcher
         unchanged)."""
         ahead = self._ahead
-        accepted, filled = ahead.future.result()
+        accepted, filled = ahead.accepted.result()
         ahead.counts, refused = [], []
         for seq, token, ok, row in zip(ahead.seqs, ahead.tokens, accepted, filled):
             state = seq.grammar

@@ -171,6 +171,7 @@ def test_rows_filled_ahead_equal_a_fresh_fill_and_a_refused_token_is_reported(ll
 
         for i in range(4):                                            # a steady decode: every row filled ahead
             assert step([a, b], [ids[i], ids[i]]) == []
+        guided._ahead.filled.result()                                 # the last fill ahead runs on past the step
         assert guided.mask_steps == 5                                 # the first step's fill + 4 ahead
         assert step([c, b, a], [ids[0], ids[4], ids[4]]) == []        # order changed, c new: reused and fresh rows
         assert step([a], [ids[5]]) == []                              # b and c left the batch
