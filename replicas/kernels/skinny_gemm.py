@@ -63,7 +63,7 @@ def _skinny_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-    FP8_DOT: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -93,8 +93,8 @@ def _skinny_gemm_kernel(
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         elif FP8_DOT:
             xf = x.to(tl.float32)
-            xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / 448.0, 1e-12)
-            xq = tl.minimum(tl.maximum(xf / xs[:, None], -448.0), 448.0).to(w.dtype)
+            xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX, 1e-12)
+            xq = tl.minimum(tl.maximum(xf / xs[:, None], -FP8_MAX), FP8_MAX).to(w.dtype)
             acc += tl.dot(xq, tl.trans(w)) * xs[:, None]
         else:
             if HAS_SCALE:
@@ -157,7 +157,7 @@ def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: S
         x2, weight, y if scale is None else scale, b, y, ws, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         k_per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        FP8_DOT=cfg.fp8_dot, GEMV=cfg.gemv,
+        FP8_DOT=cfg.fp8_dot, FP8_MAX=torch.finfo(weight.dtype).max if cfg.fp8_dot else 0.0, GEMV=cfg.gemv,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -11,11 +11,11 @@ dtype:
 
 On the GPU one Triton kernel quantizes the activations (replicas/kernels/fp8_quant.py), and a decode batch runs
 the FP8 skinny GEMM instead (replicas/kernels/skinny_gemm.py: weight-only or on FP8 tensor cores) where start-up
-timing picked it for the layer's shape (replicas/layers/gemm_select.py). Decode reads the weight at one byte per element, half of
-bf16's. `torch._scaled_mm` wants K and N multiples of 16 (`fits`); a layer that is not stays in its float
-dtype. The LM head, embeddings and norms are not linear layers here and stay as they are. Calibrated static
-activation scales are not used: dynamic per-token scales need no calibration data and bound each row's error by
-its own range.
+timing picked it for the layer's shape (replicas/layers/gemm_select.py). Decode reads the weight at one byte per
+element, half of bf16's. `torch._scaled_mm` wants K and N multiples of 16 (`fits`); a layer that is not stays in
+its float dtype. The LM head, embeddings and norms are not linear layers here and stay as they are. Calibrated
+static activation scales are not used: dynamic per-token scales need no calibration data and bound each row's
+error by its own range.
 """
 from __future__ import annotations
 

@@ -67,21 +67,10 @@ def test_selection_with_the_graph_timer_on_small_shapes():
 
 
 def test_tuned_mlp_in_a_cuda_graph_matches_cublas():
-    from replicas.config import ModelConfig
-    from replicas.distributed.communicator import SingleCommunicator
-    from replicas.distributed.parallel_state import set_tp_group
     from replicas.layers.gemm_select import apply_table, tune_linear_layers
-    from replicas.models.llama import LlamaMLP
+    from tests.support.mlp import cuda_llama_mlp
 
-    set_tp_group(SingleCommunicator())
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=1024, intermediate_size=4096,
-                      num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
-                      max_position_embeddings=128)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        mlp = LlamaMLP(cfg).bfloat16()
-    for p in mlp.parameters():
-        p.data.normal_(0, 0.02)
+    mlp = cuda_llama_mlp()
     table = tune_linear_layers(mlp, [16, 64, 300], torch.device("cuda"))
     assert table is not None and set(table) == {(8192, 1024, torch.bfloat16), (1024, 4096, torch.bfloat16)}
     assert all(set(per_m) <= {16, 64} for per_m in table.values())
