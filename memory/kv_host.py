@@ -62,6 +62,9 @@ class KVHost(Protocol):
     def profile_peak_activation_bytes(self) -> int:
         """Peak activation bytes of one full max_num_batched_tokens step."""
 
+    def measure_graph_pool_bytes(self) -> int:
+        """Bytes the step graphs will hold once captured (0 without graphs). Called before the KV pool exists."""
+
     def run_probe_step(self, num_tokens: int, num_rows: int) -> None:
         """One real prefill-shaped step (forward, logits, the sampler's sort) that writes no K/V and reads only
         block 0."""

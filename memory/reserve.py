@@ -6,6 +6,10 @@ sampler included) beyond what a step small enough to run with the reserve lent n
     headroom = activation peak (allocated) + fragmentation margin (caching-allocator segments beyond it)
     reserve  = headroom - kept,   kept = reserved peak of the largest step that runs while lent
 
+The CUDA graphs' private pool is captured after the KV pool exists, so its size is measured beforehand (the
+runner captures the graphs over a one-block cache and releases them) and left out of the base, not taken
+from the headroom: a lend needs the whole reserve free.
+
 Both peaks come from real forwards of the engine's model. The margin of the first real prefill after
 the reserve is returned is measured again once the pool exists (`measure_step_memory` on the live
 runner) and reported beside the profiled one.
@@ -39,6 +43,7 @@ class ReserveSizing:
     lend_step_tokens: int               # the largest step that may run while the reserve is lent
     kept_bytes: int                     # its reserved peak: stays outside the reserve
     kv_block_bytes: int                 # one block over all layers (this rank)
+    graph_pool_bytes: int = 0           # what the step graphs hold once captured (KVHost.measure_graph_pool_bytes)
 
     @property
     def headroom_bytes(self) -> int:
@@ -85,6 +90,7 @@ def profile_reserve(runner: KVHost, lend_step_tokens: int | None = None) -> Rese
     n = cfg.max_num_batched_tokens
     lend_tokens = lend_step_tokens or default_lend_step_tokens(n, cfg.max_num_seqs)
     peak = runner.profile_peak_activation_bytes()
+    graphs = runner.measure_graph_pool_bytes()
     runner.allocate_kv_cache(1)
     try:
         full = measure_step_memory(runner, n, cfg.max_num_seqs)
@@ -94,16 +100,16 @@ def profile_reserve(runner: KVHost, lend_step_tokens: int | None = None) -> Rese
         torch.cuda.empty_cache()
     margin = max(full.fragmentation, full.reserved_peak - peak, 0)
     return ReserveSizing(n, int(peak), int(margin), lend_tokens, int(kept.reserved_peak),
-                         runner.kv_block_bytes())
+                         runner.kv_block_bytes(), int(graphs))
 
 
 def plan_kv_blocks(runner: KVHost, sizing: ReserveSizing, slack_bytes: int | None = None) -> tuple[int, int]:
     """(base blocks, reserve blocks) for this rank: the base fills the memory left after the full step's
-    headroom and `slack_bytes` (default: what gpu_memory_utilization leaves free)."""
+    headroom, the graph pool and `slack_bytes` (default: what gpu_memory_utilization leaves free)."""
     free, total = torch.cuda.mem_get_info(runner.device)
     if slack_bytes is None:
         slack_bytes = int(total * (1.0 - runner.config.cache.gpu_memory_utilization))
-    base = (free - slack_bytes - sizing.headroom_bytes) // sizing.kv_block_bytes
+    base = (free - slack_bytes - sizing.headroom_bytes - sizing.graph_pool_bytes) // sizing.kv_block_bytes
     if base < 2:
         raise RuntimeError(f"not enough memory for the KV cache ({base} blocks) after a {sizing.headroom_bytes}"
                            "-byte activation headroom; lower max_num_batched_tokens")

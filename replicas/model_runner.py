@@ -6,6 +6,7 @@ and rank 0 gets the full-vocabulary logits of the sampling rows.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Iterable
@@ -190,7 +191,7 @@ class ModelRunner:
     def capture_graphs(self, verify_shapes: Iterable[tuple[int, int]] = ()) -> None:
         """After the KV tensors exist (their addresses never change afterwards); again after `release_graphs`
         when they were rebuilt, with the verify graphs the released ones had."""
-        if self.device.type != "cuda" or self.config.graphs.enforce_eager or self.backend.name != "triton":
+        if not self._graphs_enabled():
             return
         from replicas.cuda_graphs import StepGraphs, graph_batch_sizes
         from replicas.layers.gemm_select import tune_linear_layers
@@ -212,6 +213,9 @@ class ModelRunner:
                  sum(map(len, self.graphs.graphs.values())), sum(map(len, self.graphs.mixed.values())),
                  self.graphs.mixed_sizes[-1] if self.graphs.mixed_sizes else 0, time.perf_counter() - start,
                  (torch.cuda.memory_reserved(self.device) - reserved) / 2 ** 20)
+
+    def _graphs_enabled(self) -> bool:
+        return self.device.type == "cuda" and not self.config.graphs.enforce_eager and self.backend.name == "triton"
 
     def release_graphs(self) -> set[tuple[int, int]]:
         """Drop the graphs (before the KV tensors they read are rebuilt); returns their verify shapes."""
@@ -260,6 +264,28 @@ class ModelRunner:
         self.release_kv_caches()
         torch.cuda.empty_cache()
         return int(peak)
+
+    @torch.inference_mode()
+    def measure_graph_pool_bytes(self) -> int:
+        """Capture the step graphs over a one-block KV cache, measure the memory their pool holds, release them
+        (the kernels they compiled and the GEMM choice stay). The elastic KV plan leaves this out of the base."""
+        if not self._graphs_enabled():
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.allocate_kv_cache(1)
+        before = torch.cuda.memory_reserved(self.device)
+        try:
+            self.capture_graphs()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()             # the warm-ups' and the GEMM tuning's cached blocks are not the pool
+            held = torch.cuda.memory_reserved(self.device) - before
+        finally:
+            self.release_graphs()
+            self.release_kv_caches()
+            gc.collect()                         # the graphs' memory goes back once nothing holds them
+            torch.cuda.empty_cache()
+        return max(0, int(held))
 
     @torch.inference_mode()
     def run_probe_step(self, num_tokens: int, num_rows: int) -> None:
@@ -344,6 +370,13 @@ class ModelRunner:
             dist.broadcast_object_list([None], src=0)
             dist.destroy_process_group()
         self.close_kv()
+        self.graphs = None              # the device memory goes back now, not when the LLM object is collected
+        if self.model is not None:
+            self.release_kv_caches()
+            self.model = None
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def close_kv(self) -> None:
         if self.kv is not None:
