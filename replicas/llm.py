@@ -60,7 +60,9 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def shutdown(self) -> None:
+        """Stop the engine and give its device memory back (a second LLM in this process can use it)."""
         self.engine.shutdown()
+        self.engine.runner.release_memory()
 
 
 def _keyword_signature() -> inspect.Signature:

@@ -370,7 +370,11 @@ class ModelRunner:
             dist.broadcast_object_list([None], src=0)
             dist.destroy_process_group()
         self.close_kv()
-        self.graphs = None              # the device memory goes back now, not when the LLM object is collected
+
+    def release_memory(self) -> None:
+        """After shutdown, from the thread that stepped the engine (nothing may step it again): the KV, the
+        graphs and the weights go back to the device now, not when the owner is collected."""
+        self.graphs = None
         if self.model is not None:
             self.release_kv_caches()
             self.model = None
