@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from replicas import LLM, SamplingParams
+from bench.round_cost import RoundLog, breakdown, round_cost
 from bench.speculative_report import Run, build_report, format_table, temp_key
 from bench.tree_builder import builder_identity, time_tree_build
 
@@ -190,7 +191,11 @@ def measure(cfg: BenchConfig, mode: str, sets: dict[int, list[list[int]]], warm:
             if engine.runner.graphs is not None:
                 result["engine"]["forced_verify_graphs"] = sorted(
                     f"b{b}n{n}" for b, n in engine.runner.graphs.verify_shapes(spec.aux_layers))
-            result["forced_runs"] = measure_runs(cfg, llm, f"{mode}@{cfg.force_budget}", sets, warm, replays)
+            log = RoundLog(spec)
+            result["forced_runs"] = measure_runs(cfg, llm, f"{mode}@{cfg.force_budget}", sets, warm, replays, log)
+            result["round"] = round_cost(engine, log, cfg.batches, cfg.force_budget)
+            result["round_breakdown"] = {f"b{b}": profile_rounds(cfg, llm, sets[b], b, log, replays)
+                                         for b in cfg.batches}
         if spec is not None and engine.runner.device.type == "cuda":
             result["tree_build"] = time_tree_build(spec, cfg.spec_budget, cfg.tree_rounds)
         return result
@@ -199,9 +204,11 @@ def measure(cfg: BenchConfig, mode: str, sets: dict[int, list[list[int]]], warm:
 
 
 def measure_runs(cfg: BenchConfig, llm: LLM, tag: str, sets: dict[int, list[list[int]]], warm: list[list[int]],
-                 replays: list[int]) -> dict:
+                 replays: list[int], log: Optional[RoundLog] = None) -> dict:
     runs = {}
     for t in cfg.temps:
+        if log is not None:
+            log.temp = temp_key(t)
         if warm:
             drive(llm, warm, sampling(cfg, t, len(warm), min(cfg.max_tokens, 32)),
                   min(len(warm), max(cfg.batches)), f"warm-{tag}-{temp_key(t)}", replays)
@@ -214,6 +221,18 @@ def measure_runs(cfg: BenchConfig, llm: LLM, tag: str, sets: dict[int, list[list
                   + (f"  tau {1 + run.accepted / run.drafts:.2f}" if run.drafts else "")
                   + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
     return runs
+
+
+def profile_rounds(cfg: BenchConfig, llm: LLM, prompts: list[list[int]], b: int, log: RoundLog,
+                   replays: list[int]) -> dict:
+    """bench.round_cost.breakdown of `b` greedy requests at batch b (64 tokens each)."""
+    log.temp = "profiled"
+    before = sum(len(v) for v in log.rounds.values())
+    parts = breakdown(llm.engine, lambda: drive(llm, prompts[:b], sampling(cfg, 0.0, b, 64), b, f"profile-b{b}",
+                                                replays))
+    rounds = sum(len(v) for v in log.rounds.values()) - before
+    return dict(rounds=rounds, ms_per_round={k: {m: v / max(1, rounds) for m, v in part.items()}
+                                             for k, part in parts.items()})
 
 
 def _first_difference(a: list[int], b: list[int]) -> Optional[int]:

@@ -130,8 +130,22 @@ def build_report(cfg: ReportConfig, results: dict, greedy: dict, drafter: Option
             report[mode]["forced"] = dict(budget=cfg.force_budget, note="budget forced at every batch size, "
                                           "bypassing the policy", **mode_report(cfg, results[mode]["forced_runs"],
                                                                                plain, greedy.get(f"{mode}@forced")))
+            report[mode]["forced"]["round"] = results[mode].get("round")
+            report[mode]["forced"]["round_breakdown"] = results[mode].get("round_breakdown")
+    report["round_overhead_ms"] = round_overhead(cfg, results)
     report.update(tree_sections(cfg, {m: results[m].get("tree_build") for m in cfg.modes}, identity))
     return report
+
+
+def round_overhead(cfg: ReportConfig, results: dict) -> Optional[dict]:
+    """b<batch> -> what a forced round costs beyond draft + verify (bench/round_cost.py), ms: DominoTree's where it
+    ran, else the first mode's; the larger over temperatures. None without --force-budget."""
+    rounds = {m: results[m]["round"] for m in cfg.modes if results[m].get("round")}
+    if not rounds:
+        return None
+    by_temp = rounds.get("dominotree") or next(iter(rounds.values()))
+    batches = sorted({b for per_batch in by_temp.values() for b in per_batch}, key=lambda k: int(k[1:]))
+    return {b: max(per_batch[b]["overhead_ms"] for per_batch in by_temp.values() if b in per_batch) for b in batches}
 
 
 def tree_sections(cfg: ReportConfig, builds: dict[str, Optional[dict]], identity: dict) -> dict:

@@ -45,22 +45,27 @@ def accept(tree: DraftTree, target_logits: Tensor, sample_fn: Optional[SampleFn]
 
 
 def walk(tree: DraftTree, choices: Tensor) -> Acceptance:
-    """choices [B, 1+N]: the target's token at each verify slot. Fixed-length loop, no host sync."""
+    """choices [B, 1+N]: the target's token at each verify slot. A fixed number of batched ops (log2 N pointer
+    jumps), no loop over depths and no host sync.
+
+    A node is accepted iff its token is the target's choice at its parent's slot and its parent is accepted (the
+    root always is). Siblings hold distinct tokens, so the accepted nodes form one path from the root with one
+    node per depth: the path's d-th node is the accepted node at depth d."""
     b, n = tree.tokens.shape
-    dev = tree.tokens.device
-    parent_slot = torch.where(tree.valid, tree.parents + 1, -1)         # invalid nodes are nobody's child
-    cur = torch.zeros(b, dtype=torch.long, device=dev)                   # current verify slot (root)
-    alive = torch.ones(b, dtype=torch.bool, device=dev)
-    path = torch.full((b, n), -1, dtype=torch.long, device=dev)
-    for d in range(n):
-        want = choices.gather(1, cur[:, None])
-        match = (parent_slot == cur[:, None]) & (tree.tokens == want) & alive[:, None]
-        hit = match.any(1)
-        node = match.long().argmax(1)                                    # siblings hold distinct tokens
-        path[:, d] = torch.where(hit, node, -1)
-        cur = torch.where(hit, node + 1, cur)
-        alive = alive & hit
-    num_accepted = (path >= 0).sum(1)
+    parent_slot = torch.where(tree.valid, tree.parents + 1, 0)
+    ok = tree.valid & (tree.tokens == choices.gather(1, parent_slot))   # matches its parent's choice
+    up = torch.where(tree.valid, tree.parents, -1)                       # -1: the root (always accepted)
+    for _ in range(max(1, n - 1).bit_length()):                          # every ancestor within 2^k levels
+        has_up = up >= 0
+        ok = ok & (~has_up | ok.gather(1, up.clamp(min=0)))
+        up = torch.where(has_up, up.gather(1, up.clamp(min=0)), -1)
+    num_accepted = ok.sum(1)
+    nodes = torch.arange(n, device=ok.device).expand(b, n)
+    path = torch.full((b, n + 1), -1, dtype=torch.long, device=ok.device)
+    path.scatter_(1, torch.where(ok, tree.depths, n), torch.where(ok, nodes, -1))   # column n: not accepted
+    path = path[:, :n]
+    last = path.gather(1, (num_accepted - 1).clamp(min=0)[:, None])[:, 0]
+    cur = torch.where(num_accepted > 0, last + 1, 0)                     # the last accepted slot (root: 0)
     bonus = choices.gather(1, cur[:, None])
     tokens = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), -1)
     tokens = torch.cat([tokens, torch.full_like(tokens[:, :1], -1)], 1).scatter(1, num_accepted[:, None], bonus)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bench.tree_builder as tree_bench
+from bench.round_cost import LABELS
 from bench.speculative import main
 from bench.tree_builder import builder_identity, time_tree_build
 from tests.support.checkpoints import make_tiny_llama
@@ -68,6 +69,17 @@ def test_json_has_every_key(bench):
         assert forced["budget"] == 3 and forced["t0"]["tau"] >= 1
         assert not any(forced["t0"]["accept_rate_by_position"][3:]) and forced["t0"]["throughput_ratio_b2"] > 0
         assert forced["t0"]["runs"]["b2"]["draft_tokens"] <= 3 * forced["t0"]["runs"]["b2"]["rounds"]
+        for b in ("b1", "b2"):
+            cost = forced["round"]["t0"][b]
+            assert cost["rounds"] > 0 and min(cost["round_ms"], cost["draft_ms"], cost["verify_ms"]) > 0
+            assert cost["overhead_ms"] == pytest.approx(cost["round_ms"] - cost["draft_ms"] - cost["verify_ms"])
+            parts = forced["round_breakdown"][b]
+            assert parts["rounds"] > 0 and set(parts["ms_per_round"]) == set(LABELS)
+            host = {k: v["host_ms"] for k, v in parts["ms_per_round"].items()}
+            assert min(host.values()) > 0            # every labelled part ran in the profiled rounds
+            assert host["round:step"] > host["round:propose"] + host["round:forward"] + host["round:apply"]
+    assert set(report["round_overhead_ms"]) == {"b1", "b2"}
+    assert report["round_overhead_ms"]["b1"] == report["dominotree"]["forced"]["round"]["t0"]["b1"]["overhead_ms"]
 
 
 def test_greedy_speculative_outputs_equal_plain(bench):

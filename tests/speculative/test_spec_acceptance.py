@@ -39,6 +39,46 @@ def test_greedy_walk_follows_the_target_argmax():
     assert out.tokens[0, :2].tolist() == [6, 11] and out.path_slots[0, :2].tolist() == [0, 2]
 
 
+def walk_by_depth(tree: DraftTree, choices: torch.Tensor) -> list[list[int]]:
+    """The walk as its definition reads, one request and one depth at a time: the accepted node indices."""
+    paths = []
+    for b in range(tree.tokens.shape[0]):
+        path, slot = [], 0
+        while True:
+            kids = [i for i in range(tree.tokens.shape[1]) if tree.valid[b, i] and tree.parents[b, i] + 1 == slot
+                    and tree.tokens[b, i] == choices[b, slot]]
+            if not kids:
+                break
+            path.append(kids[0])
+            slot = kids[0] + 1
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 16, 17])
+def test_batched_walk_equals_the_walk_by_depth(budget):
+    rng = random.Random(budget)
+    for _ in range(40):
+        trees = random_trees(rng, 6, budget)
+        tree = DraftTree(*(torch.cat([getattr(t, f) for t in trees]) for f in
+                           ("tokens", "parents", "depths", "scores", "valid")))
+        # choices mostly follow a drafted child, so paths reach deep
+        choices = torch.randint(0, V, (6, budget + 1))
+        for b in range(6):
+            for slot in range(budget + 1):
+                kids = [i for i in range(budget) if tree.valid[b, i] and tree.parents[b, i] + 1 == slot]
+                if kids and rng.random() < 0.8:
+                    choices[b, slot] = tree.tokens[b, rng.choice(kids)]
+        out = walk(tree, choices)
+        for b, path in enumerate(walk_by_depth(tree, choices)):
+            k = len(path)
+            assert out.path[b].tolist() == path + [-1] * (budget - k)
+            assert out.num_accepted[b] == k and out.num_emitted[b] == k + 1
+            bonus = choices[b, path[-1] + 1 if path else 0].item()
+            assert out.tokens[b].tolist() == [tree.tokens[b, i].item() for i in path] + [bonus] + [-1] * (budget - k)
+            assert out.path_slots[b].tolist() == [0] + [i + 1 for i in path] + [-1] * (budget - k)
+
+
 def test_sample_fn_sees_request_major_rows():
     logits = torch.randn(3, 4, 10)
     seen = []
