@@ -72,7 +72,8 @@ def _labelled(label: str, fn: Callable, host: dict) -> Callable:
 
 def breakdown(engine, drive: Callable[[], object]) -> dict:
     """Run `drive` (a closed loop of requests on `engine`) under torch.profiler with the engine's parts labelled;
-    per label the total host ms (wall time inside the part) and device ms (its kernels)."""
+    per label the total host ms (wall time inside the part) and device ms (its kernels), and the kernels with the
+    most device time (totals)."""
     wrapped = dict(step=engine, schedule=engine.scheduler, propose=engine.speculator, forward=engine.runner,
                    verify=engine.verifier, apply=engine)
     names = dict(step="step", schedule="schedule", propose="propose", forward="execute", verify="verify",
@@ -92,8 +93,17 @@ def breakdown(engine, drive: Callable[[], object]) -> dict:
                 delattr(owner, name)
             else:
                 setattr(owner, name, before)
-    rows = {e.key: e for e in prof.key_averages() if e.key in LABELS}
-    return {k: dict(host_ms=1e3 * host[k], device_ms=_device_us(rows[k]) / 1e3 if k in rows else 0.0) for k in LABELS}
+    events = prof.key_averages()
+    rows = {e.key: e for e in events if e.key in LABELS}
+    kernels = sorted((e for e in events if e.key not in LABELS and _self_device_us(e) > 0), key=_self_device_us,
+                     reverse=True)[:12]
+    return dict(parts={k: dict(host_ms=1e3 * host[k], device_ms=_device_us(rows[k]) / 1e3 if k in rows else 0.0)
+                       for k in LABELS},
+                kernels=[dict(name=e.key[:120], device_ms=_self_device_us(e) / 1e3, calls=e.count) for e in kernels])
+
+
+def _self_device_us(evt) -> float:
+    return getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
 
 
 def _device_us(evt) -> float:

@@ -231,8 +231,11 @@ def profile_rounds(cfg: BenchConfig, llm: LLM, prompts: list[list[int]], b: int,
     parts = breakdown(llm.engine, lambda: drive(llm, prompts[:b], sampling(cfg, 0.0, b, 64), b, f"profile-b{b}",
                                                 replays))
     rounds = sum(len(v) for v in log.rounds.values()) - before
-    return dict(rounds=rounds, ms_per_round={k: {m: v / max(1, rounds) for m, v in part.items()}
-                                             for k, part in parts.items()})
+    per = max(1, rounds)
+    return dict(rounds=rounds,
+                ms_per_round={k: {m: v / per for m, v in part.items()} for k, part in parts["parts"].items()},
+                top_kernels=[dict(name=k["name"], device_ms_per_round=k["device_ms"] / per,
+                                  calls_per_round=k["calls"] / per) for k in parts["kernels"]])
 
 
 def _first_difference(a: list[int], b: list[int]) -> Optional[int]:

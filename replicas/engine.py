@@ -35,6 +35,7 @@ from replicas.sequence import Sequence
 from replicas.speculation_api import Proposer, VerifiedRound, Verifier, load_speculation
 from replicas.stats import EngineStats, RequestTimings
 from replicas.step_input import StepInput
+from replicas.transfer import to_device
 from replicas.stream_coalescer import StreamCoalescer
 from replicas.structured.backend import GrammarError
 from replicas.structured.guided import GuidedDecoding
@@ -250,7 +251,7 @@ class LLMEngine:
                 [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
                 _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),
                 self.eos_token_ids, self.model_config.vocab_size, logits.device, token_mask=mask)
-            out = self.sampler(logits if not drafted else logits[plain_rows], sb)
+            out = self.sampler(_take_rows(logits, plain_rows) if drafted else logits, sb)
             tokens = out.token_ids.tolist()
             if guided:              # matchers advance and the next step's rows fill while the tokens are appended
                 self.guided.advance(guided_seqs, [tokens[r] for r in guided])
@@ -270,7 +271,7 @@ class LLMEngine:
         if drafted:
             seqs = [batch.seqs[i] for i in drafted]
             first_rows = [int(step.query_start_loc[i]) for i in drafted]
-            verified = self.verifier.verify(seqs, proposal, logits[spec_rows])
+            verified = self.verifier.verify(seqs, proposal, _take_rows(logits, spec_rows))
             self._apply_verified(seqs, verified, aux, first_rows, now)
             touched.update((s.request_id, self.requests[s.request_id]) for s in seqs if s.request_id in self.requests)
         for row, i in enumerate(sampling):
@@ -583,6 +584,15 @@ class LLMEngine:
         self.runner.shutdown()
         if self.launcher is not None:
             self.launcher.shutdown()
+
+
+def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows] without a host sync: all rows are the common case (a decode-only round), else the index
+    travels pinned and asynchronously (indexing a device tensor with a list copies it synchronously, so the host
+    would wait for the forward before it could prepare sampling)."""
+    if len(rows) == logits.shape[0] and (not rows or rows[-1] == len(rows) - 1):
+        return logits                               # rows are increasing and distinct: 0 .. S-1
+    return logits.index_select(0, to_device(np.asarray(rows, dtype=np.int64), logits.device))
 
 
 class _TokenView:

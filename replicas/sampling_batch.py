@@ -80,20 +80,26 @@ class SamplingBatch:
         enabled_k = [k for k in top_k if k < vocab_size]
         requested = [p.logprobs for p in params if p.logprobs is not None]
 
-        def tensor(values, dtype):
-            return to_device(torch.tensor(values, dtype=dtype), device)
+        # Two host-to-device copies for every random row's parameters (none when every row is greedy).
+        floats = torch.tensor([[float(params[i].temperature) for i in rnd], top_p, min_p], dtype=torch.float32)
+        ints = torch.tensor([rnd, top_k, [s & _MASK32 for s in seed64], [s >> 32 for s in seed64],
+                             [int(positions[i]) & _MASK32 for i in rnd]], dtype=torch.long)
+        if rnd:
+            floats, ints = to_device(floats, device), to_device(ints, device)
+        else:
+            floats, ints = floats.to(device), ints.to(device)     # empty: an allocation, nothing to copy
 
         return SamplingBatch(
             vocab_size=vocab_size,
             num_rows=n,
-            random_rows=tensor(rnd, torch.long),
-            temperature=tensor([float(params[i].temperature) for i in rnd], torch.float32),
-            top_k=tensor(top_k, torch.long),
-            top_p=tensor(top_p, torch.float32),
-            min_p=tensor(min_p, torch.float32),
-            seed_lo=tensor([s & _MASK32 for s in seed64], torch.long),
-            seed_hi=tensor([s >> 32 for s in seed64], torch.long),
-            positions=tensor([int(positions[i]) & _MASK32 for i in rnd], torch.long),
+            random_rows=ints[0],
+            temperature=floats[0],
+            top_k=ints[1],
+            top_p=floats[1],
+            min_p=floats[2],
+            seed_lo=ints[2],
+            seed_hi=ints[3],
+            positions=ints[4],
             all_greedy=not rnd,
             all_random=len(rnd) == n,
             use_top_k=bool(enabled_k),
