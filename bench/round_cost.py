@@ -22,6 +22,10 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+# Rounds at one batch size below which their median is not reported as an overhead (bench.speculative
+# --min-rounds): a closed loop reaches its full batch only while every request decodes, so the largest batch can
+# see few rounds.
+MIN_ROUNDS = 16
 LABELS = ("round:step", "round:schedule", "round:propose", "round:forward", "round:verify", "round:apply")
 
 
@@ -40,7 +44,8 @@ class RoundLog:
         speculator.record_round = recorded
 
 
-def round_cost(engine, log: RoundLog, batches, nodes: int, iters: int = 20) -> dict:
+def round_cost(engine, log: RoundLog, batches, nodes: int, iters: int = 20,
+               min_rounds: int = MIN_ROUNDS) -> dict:
     """temperature key -> b<batch> -> {round_ms, draft_ms, verify_ms, overhead_ms, rounds} (batches with rounds)."""
     from speculative.profile import measure_verify_profile
     measured = sorted({b for (_, b, n) in log.rounds if n == nodes and b in batches})
@@ -53,9 +58,12 @@ def round_cost(engine, log: RoundLog, batches, nodes: int, iters: int = 20) -> d
             continue
         round_ms = 1e3 * statistics.median(seconds)
         draft_ms, verify_ms = 1e3 * profile.draft_time(b), 1e3 * profile.step_time(b, nodes)
+        enough = len(seconds) >= min_rounds
         out[temp][f"b{b}"] = dict(round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms,
-                                  overhead_ms=round_ms - draft_ms - verify_ms, rounds=len(seconds),
-                                  verify_graphed=(b, nodes) in profile.graphed)
+                                  overhead_ms=round_ms - draft_ms - verify_ms if enough else None,
+                                  rounds=len(seconds), verify_graphed=(b, nodes) in profile.graphed)
+        if not enough:
+            out[temp][f"b{b}"]["overhead_null_reason"] = f"{len(seconds)} rounds at this batch size, < {min_rounds}"
     return dict(out)
 
 

@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,7 +42,8 @@ from typing import Optional
 import torch
 
 from replicas import LLM, SamplingParams
-from bench.round_cost import RoundLog, breakdown, round_cost
+from bench.provenance import provenance
+from bench.round_cost import MIN_ROUNDS, RoundLog, breakdown, round_cost
 from bench.speculative_report import Run, build_report, format_table, temp_key
 from bench.tree_builder import builder_identity, time_tree_build
 
@@ -72,6 +74,7 @@ class BenchConfig:
     tree_rounds: int = 200                    # timed tree builds per mode (CUDA)
     builder_cases: int = 1000                 # random reference-vs-GPU builder cases (CUDA)
     force_budget: Optional[int] = None        # also run every mode with this budget at every batch size
+    min_rounds: int = MIN_ROUNDS              # forced rounds at a batch size needed to report its round overhead
     tie: Optional[float] = None               # near-tie logit gap; None: 1e-3 for float32 engines, else 0.25
     out: str = "bench/results/speculative.json"
 
@@ -193,7 +196,7 @@ def measure(cfg: BenchConfig, mode: str, sets: dict[int, list[list[int]]], warm:
                     f"b{b}n{n}" for b, n in engine.runner.graphs.verify_shapes(spec.aux_layers))
             log = RoundLog(spec)
             result["forced_runs"] = measure_runs(cfg, llm, f"{mode}@{cfg.force_budget}", sets, warm, replays, log)
-            result["round"] = round_cost(engine, log, cfg.batches, cfg.force_budget)
+            result["round"] = round_cost(engine, log, cfg.batches, cfg.force_budget, min_rounds=cfg.min_rounds)
             result["round_breakdown"] = {f"b{b}": profile_rounds(cfg, llm, sets[b], b, log, replays)
                                          for b in cfg.batches}
         if spec is not None and engine.runner.device.type == "cuda":
@@ -391,6 +394,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--builder-cases", type=int, default=d.builder_cases)
     p.add_argument("--force-budget", type=int, default=d.force_budget,
                    help="also rerun every mode with this many draft nodes at every batch size (bypasses the policy)")
+    p.add_argument("--min-rounds", type=int, default=d.min_rounds,
+                   help="forced rounds at one batch size needed to report its round overhead (else null)")
     p.add_argument("--tie", type=float, default=d.tie,
                    help="near-tie logit gap for greedy agreement (default: 1e-3 float32 engines, 0.25 otherwise)")
     p.add_argument("--out", default=d.out)
@@ -411,7 +416,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         temps=tuple(float(t) for t in args.temps.split(",") if t), device=args.device, seed=args.seed,
         warmup=args.warmup, ignore_eos=args.ignore_eos, gpu_memory_utilization=args.gpu_memory_utilization,
         spec_budget=args.spec_budget, spec_policy=args.spec_policy, tree_rounds=args.tree_rounds,
-        builder_cases=args.builder_cases, force_budget=args.force_budget or None, tie=args.tie, out=args.out)
+        builder_cases=args.builder_cases, force_budget=args.force_budget or None, min_rounds=args.min_rounds,
+        tie=args.tie, out=args.out)
 
 
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:
@@ -423,6 +429,11 @@ def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:
     cfg = config_from(args)
     result = run_bench(cfg)
     result.report["config"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
+    argv = list(argv if argv is not None else sys.argv[1:])
+    result.report["provenance"] = provenance(
+        "bench.speculative", argv, result.report["engine"]["plain"]["device"], cfg.seed,
+        warm_up=f"{cfg.warmup} requests per temperature and engine before its runs",
+        counted="generated tokens over each run's wall time (prefill included); rounds as the engine times them")
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
     with open(cfg.out, "w") as f:
         json.dump(result.report, f, indent=2)

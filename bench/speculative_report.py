@@ -139,13 +139,18 @@ def build_report(cfg: ReportConfig, results: dict, greedy: dict, drafter: Option
 
 def round_overhead(cfg: ReportConfig, results: dict) -> Optional[dict]:
     """b<batch> -> what a forced round costs beyond draft + verify (bench/round_cost.py), ms: DominoTree's where it
-    ran, else the first mode's; the larger over temperatures. None without --force-budget."""
+    ran, else the first mode's; the larger over temperatures (null where a temperature saw too few rounds). None
+    without --force-budget."""
     rounds = {m: results[m]["round"] for m in cfg.modes if results[m].get("round")}
     if not rounds:
         return None
     by_temp = rounds.get("dominotree") or next(iter(rounds.values()))
     batches = sorted({b for per_batch in by_temp.values() for b in per_batch}, key=lambda k: int(k[1:]))
-    return {b: max(per_batch[b]["overhead_ms"] for per_batch in by_temp.values() if b in per_batch) for b in batches}
+    worst = {}
+    for b in batches:
+        seen = [per_batch[b]["overhead_ms"] for per_batch in by_temp.values() if b in per_batch]
+        worst[b] = None if None in seen else max(seen)
+    return worst
 
 
 def tree_sections(cfg: ReportConfig, builds: dict[str, Optional[dict]], identity: dict) -> dict:

@@ -30,7 +30,8 @@ def bench(tmp_path_factory):
     out = tmp / "speculative.json"
     result = main(["--model", folder, "--allow-random-drafter", "--prompts", str(prompts), "--num-prompts", "2",
                    "--num-prompts-b1", "2", "--max-tokens", "8", "--batches", "1,2", "--temps", "0",
-                   "--device", "cpu", "--warmup", "1", "--ignore-eos", "--force-budget", "3", "--spec-policy", "knee",
+                   "--device", "cpu", "--warmup", "1", "--ignore-eos", "--force-budget", "3", "--min-rounds", "1",
+                   "--spec-policy", "knee",
                    "--out", str(out)])
     return folder, result, json.loads(out.read_text())
 
