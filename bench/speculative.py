@@ -75,6 +75,8 @@ class BenchConfig:
     builder_cases: int = 1000                 # random reference-vs-GPU builder cases (CUDA)
     force_budget: Optional[int] = None        # also run every mode with this budget at every batch size
     min_rounds: int = MIN_ROUNDS              # forced rounds at a batch size needed to report its round overhead
+    min_cell_seconds: float = 5.0             # a (temperature, batch) run queues its prompts again until this long
+    repeats: int = 2                          # runs per (temperature, batch); the JSON keeps each
     tie: Optional[float] = None               # near-tie logit gap; None: 1e-3 for float32 engines, else 0.25
     out: str = "bench/results/speculative.json"
 
@@ -120,30 +122,40 @@ def count_graph_replays(engine) -> list[int]:
 
 
 def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], concurrency: int, tag: str,
-          replays: list[int]) -> Run:
-    """Closed loop: keep `concurrency` requests in the engine until every prompt is done."""
+          replays: list[int], min_seconds: float = 0.0) -> Run:
+    """Closed loop: keep `concurrency` requests in the engine until every prompt is done; while the run is younger
+    than `min_seconds`, the prompts are queued again (same params and seeds) as the queue runs dry, so the batch
+    stays full. `outputs` are the first pass's; tokens and seconds count every pass."""
     engine = llm.engine
     before, replays_before = engine.get_stats(), list(replays)
-    index: dict[str, int] = {}
+    index: dict[str, tuple[int, int]] = {}
     outputs: list[list[int]] = [[] for _ in prompts]
-    queue = list(range(len(prompts)))[::-1]
+    queue = [(0, i) for i in range(len(prompts))][::-1]
+    passes, tokens = 1, 0
 
     def submit() -> None:
-        i = queue.pop()
-        rid = f"{tag}-{i}"
-        engine.add_request(rid, prompts[i], params[i], stream=False)
-        index[rid] = i
+        nonlocal passes
+        if not queue and time.perf_counter() - start < min_seconds:
+            queue.extend((passes, i) for i in reversed(range(len(prompts))))
+            passes += 1
+        if queue:
+            k, i = queue.pop()
+            rid = f"{tag}-p{k}-{i}"
+            engine.add_request(rid, prompts[i], params[i], stream=False)
+            index[rid] = (k, i)
 
     _sync()
     start = time.perf_counter()
-    while queue and len(engine.requests) < concurrency:
+    while (queue or time.perf_counter() - start < min_seconds) and len(engine.requests) < concurrency:
         submit()
     while engine.has_unfinished:
         for out in engine.step():
             if out.finished:
-                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
-                if queue:
-                    submit()
+                k, i = index[out.request_id]
+                tokens += len(out.outputs[0].token_ids)
+                if k == 0:
+                    outputs[i] = list(out.outputs[0].token_ids)
+                submit()
     _sync()
     seconds = time.perf_counter() - start
     timings = [t for t in engine.finished_timings if t.request_id in index]
@@ -158,7 +170,7 @@ def drive(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], conc
 
     return Run(outputs, seconds, decode_tokens / decode_s if decode_s > 0 else 0.0, delta("num_steps"),
                replays[0] - replays_before[0], replays[1] - replays_before[1], delta("spec_drafts"),
-               delta("spec_draft_tokens"), delta("spec_accepted_tokens"), by_pos)
+               delta("spec_draft_tokens"), delta("spec_accepted_tokens"), by_pos, tokens=tokens, passes=passes)
 
 
 def engine_kwargs(cfg: BenchConfig, mode: str) -> dict:
@@ -217,10 +229,12 @@ def measure_runs(cfg: BenchConfig, llm: LLM, tag: str, sets: dict[int, list[list
                   min(len(warm), max(cfg.batches)), f"warm-{tag}-{temp_key(t)}", replays)
         for b in cfg.batches:
             started = time.perf_counter()
-            run = drive(llm, sets[b], sampling(cfg, t, len(sets[b]), cfg.max_tokens), b,
-                        f"{tag}-{temp_key(t)}-b{b}", replays)
-            runs[(t, b)] = run
-            print(f"  {tag:13s} {temp_key(t):4s} b{b:<3d} {run.tok_s:9.1f} tok/s"
+            repeats = [drive(llm, sets[b], sampling(cfg, t, len(sets[b]), cfg.max_tokens), b,
+                             f"{tag}-{temp_key(t)}-b{b}-r{r}", replays, cfg.min_cell_seconds)
+                       for r in range(cfg.repeats)]
+            run = runs[(t, b)] = Run.merge(repeats)
+            print(f"  {tag:13s} {temp_key(t):4s} b{b:<3d} {run.tok_s:9.1f} tok/s ("
+                  + " / ".join(f"{r.tok_s:.1f}" for r in repeats) + ")"
                   + (f"  tau {1 + run.accepted / run.drafts:.2f}" if run.drafts else "")
                   + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
     return runs
@@ -394,6 +408,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--builder-cases", type=int, default=d.builder_cases)
     p.add_argument("--force-budget", type=int, default=d.force_budget,
                    help="also rerun every mode with this many draft nodes at every batch size (bypasses the policy)")
+    p.add_argument("--min-cell-seconds", type=float, default=d.min_cell_seconds,
+                   help="each (temperature, batch) run queues its prompts again until it has lasted this long")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="runs per (temperature, batch); each kept")
     p.add_argument("--min-rounds", type=int, default=d.min_rounds,
                    help="forced rounds at one batch size needed to report its round overhead (else null)")
     p.add_argument("--tie", type=float, default=d.tie,
@@ -417,7 +434,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup, ignore_eos=args.ignore_eos, gpu_memory_utilization=args.gpu_memory_utilization,
         spec_budget=args.spec_budget, spec_policy=args.spec_policy, tree_rounds=args.tree_rounds,
         builder_cases=args.builder_cases, force_budget=args.force_budget or None, min_rounds=args.min_rounds,
-        tie=args.tie, out=args.out)
+        min_cell_seconds=args.min_cell_seconds, repeats=max(1, args.repeats), tie=args.tie, out=args.out)
 
 
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:

@@ -40,18 +40,36 @@ class Run:
     draft_tokens: int = 0
     accepted: int = 0
     by_position: list[int] = field(default_factory=list)
+    tokens: Optional[int] = None              # generated tokens over every pass (None: the outputs')
+    passes: int = 1                           # times the prompts were run (bench.speculative --min-cell-seconds)
+    repeats: list[dict] = field(default_factory=list)   # each repeat's tok/s, seconds, tokens and passes (merged)
 
     @property
     def output_tokens(self) -> int:
-        return sum(map(len, self.outputs))
+        return self.tokens if self.tokens is not None else sum(map(len, self.outputs))
 
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.seconds
 
+    @staticmethod
+    def merge(runs: list["Run"]) -> "Run":
+        """Repeats of one cell as one run (tokens and seconds summed, the first repeat's outputs), each kept."""
+        first = runs[0]
+        depth = max(len(r.by_position) for r in runs)
+        return Run(first.outputs, sum(r.seconds for r in runs),
+                   sum(r.decode_tok_s_per_request for r in runs) / len(runs),
+                   *(sum(getattr(r, k) for r in runs) for k in ("steps", "graph_steps", "verify_graph_steps",
+                                                                  "drafts", "draft_tokens", "accepted")),
+                   [sum(r.by_position[d] for r in runs if d < len(r.by_position)) for d in range(depth)],
+                   tokens=sum(r.output_tokens for r in runs), passes=sum(r.passes for r in runs),
+                   repeats=[dict(tok_s=r.tok_s, seconds=r.seconds, output_tokens=r.output_tokens, passes=r.passes)
+                            for r in runs])
+
     def summary(self) -> dict:
         out = dict(tok_s=self.tok_s, output_tokens=self.output_tokens, requests=len(self.outputs),
-                   seconds=self.seconds, decode_tok_s_per_request=self.decode_tok_s_per_request,
+                   seconds=self.seconds, passes=self.passes, repeats=self.repeats,
+                   decode_tok_s_per_request=self.decode_tok_s_per_request,
                    steps=self.steps, graph_steps=self.graph_steps, verify_graph_steps=self.verify_graph_steps)
         if self.drafts:
             out.update(tau=1 + self.accepted / self.drafts, rounds=self.drafts, draft_tokens=self.draft_tokens,

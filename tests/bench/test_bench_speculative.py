@@ -31,7 +31,7 @@ def bench(tmp_path_factory):
     result = main(["--model", folder, "--allow-random-drafter", "--prompts", str(prompts), "--num-prompts", "2",
                    "--num-prompts-b1", "2", "--max-tokens", "8", "--batches", "1,2", "--temps", "0",
                    "--device", "cpu", "--warmup", "1", "--ignore-eos", "--force-budget", "3", "--min-rounds", "1",
-                   "--spec-policy", "knee",
+                   "--spec-policy", "knee", "--min-cell-seconds", "0.3", "--repeats", "2",
                    "--out", str(out)])
     return folder, result, json.loads(out.read_text())
 
@@ -50,7 +50,11 @@ def test_json_has_every_key(bench):
     assert report["engine"]["plain"]["cuda_graphs"] is False
     for b in ("b1", "b2"):
         run = report["plain"]["t0"][b]
-        assert run["tok_s"] > 0 and run["output_tokens"] == 2 * 8 and run["requests"] == 2
+        assert run["tok_s"] > 0 and run["requests"] == 2 and len(run["repeats"]) == 2
+        # each repeat ran the 2 prompts' 8 tokens until it had lasted 0.3 s; the cell sums its repeats
+        assert all(r["output_tokens"] == 2 * 8 * r["passes"] and r["seconds"] >= 0.3 for r in run["repeats"])
+        assert run["output_tokens"] == sum(r["output_tokens"] for r in run["repeats"])
+        assert run["tok_s"] == pytest.approx(run["output_tokens"] / sum(r["seconds"] for r in run["repeats"]))
     for mode in MODES:
         entry = report[mode]["t0"]
         assert set(entry) >= {"tau", "speedup_b1", "throughput_ratio_b2", "decode_speedup_b1",
