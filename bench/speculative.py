@@ -42,8 +42,10 @@ from typing import Optional
 import torch
 
 from replicas import LLM, SamplingParams
+from bench.projection import projection
 from bench.provenance import provenance
 from bench.round_cost import MIN_ROUNDS, RoundLog, breakdown, round_cost
+from bench.shapes import SHAPES
 from bench.speculative_report import Run, build_report, format_table, temp_key
 from bench.tree_builder import builder_identity, time_tree_build
 
@@ -75,6 +77,7 @@ class BenchConfig:
     builder_cases: int = 1000                 # random reference-vs-GPU builder cases (CUDA)
     force_budget: Optional[int] = None        # also run every mode with this budget at every batch size
     min_rounds: int = MIN_ROUNDS              # forced rounds at a batch size needed to report its round overhead
+    projection: Optional[str] = None          # a bench.shapes name (or config folder): projected speedups there
     min_cell_seconds: float = 5.0             # a (temperature, batch) run queues its prompts again until this long
     repeats: int = 2                          # runs per (temperature, batch); the JSON keeps each
     tie: Optional[float] = None               # near-tie logit gap; None: 1e-3 for float32 engines, else 0.25
@@ -361,6 +364,15 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                    requests_per_batch={f"b{b}": n for b, n in counts.items()},
                    mean_prompt_tokens=sum(map(len, eligible[:top])) / top)
     report = build_report(cfg, results, greedy, drafter, tie, cuda, prompts, len(warm), check_builders(cfg, cuda))
+    if cfg.projection:
+        _free()
+        measured = report["dominotree"].get("forced") or report["dominotree"]
+        name = cfg.projection if cfg.projection in SHAPES else os.path.basename(cfg.projection.rstrip("/"))
+        report["projection"] = {name: projection(
+            cfg.projection, {temp_key(t): measured[temp_key(t)]["tau"] for t in cfg.temps
+                             if measured[temp_key(t)]["tau"] is not None},
+            cfg.batches, cfg.force_budget or cfg.spec_budget, cfg.device, cfg.seed,
+            drafter if os.path.isdir(drafter) else None, cfg.gpu_memory_utilization)}
     report["wall_seconds"] = time.perf_counter() - started
     outputs = {(m, t, b): r.outputs for m, res in results.items() for (t, b), r in res["runs"].items()}
     outputs.update({(f"{m}@forced", t, b): r.outputs for m, res in results.items()
@@ -408,6 +420,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--builder-cases", type=int, default=d.builder_cases)
     p.add_argument("--force-budget", type=int, default=d.force_budget,
                    help="also rerun every mode with this many draft nodes at every batch size (bypasses the policy)")
+    p.add_argument("--projection", metavar="SHAPE", default=d.projection,
+                   help="also project DominoTree's speedups to this bench.shapes target (e.g. llama3-8b): its costs "
+                        "measured with random weights, this run's tau (bench/projection.py)")
     p.add_argument("--min-cell-seconds", type=float, default=d.min_cell_seconds,
                    help="each (temperature, batch) run queues its prompts again until it has lasted this long")
     p.add_argument("--repeats", type=int, default=d.repeats, help="runs per (temperature, batch); each kept")
@@ -425,6 +440,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     modes = tuple(m for m in args.modes.split(",") if m)
     if not set(modes) <= {"chain", "ddtree", "dominotree"}:
         raise SystemExit(f"--modes: choose from chain, ddtree, dominotree (got {args.modes})")
+    if args.projection and "dominotree" not in modes:
+        raise SystemExit("--projection uses DominoTree's measured tau: include dominotree in --modes")
     return BenchConfig(
         model=args.model, drafter=args.drafter, allow_random_drafter=args.allow_random_drafter, prompts=args.prompts,
         split=args.split, num_prompts=args.num_prompts, num_prompts_b1=args.num_prompts_b1,
@@ -434,7 +451,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup, ignore_eos=args.ignore_eos, gpu_memory_utilization=args.gpu_memory_utilization,
         spec_budget=args.spec_budget, spec_policy=args.spec_policy, tree_rounds=args.tree_rounds,
         builder_cases=args.builder_cases, force_budget=args.force_budget or None, min_rounds=args.min_rounds,
-        min_cell_seconds=args.min_cell_seconds, repeats=max(1, args.repeats), tie=args.tie, out=args.out)
+        min_cell_seconds=args.min_cell_seconds, repeats=max(1, args.repeats), projection=args.projection,
+        tie=args.tie, out=args.out)
 
 
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:

@@ -31,7 +31,7 @@ def bench(tmp_path_factory):
     result = main(["--model", folder, "--allow-random-drafter", "--prompts", str(prompts), "--num-prompts", "2",
                    "--num-prompts-b1", "2", "--max-tokens", "8", "--batches", "1,2", "--temps", "0",
                    "--device", "cpu", "--warmup", "1", "--ignore-eos", "--force-budget", "3", "--min-rounds", "1",
-                   "--spec-policy", "knee", "--min-cell-seconds", "0.3", "--repeats", "2",
+                   "--spec-policy", "knee", "--min-cell-seconds", "0.3", "--repeats", "2", "--projection", folder,
                    "--out", str(out)])
     return folder, result, json.loads(out.read_text())
 
@@ -85,6 +85,20 @@ def test_json_has_every_key(bench):
             assert host["round:step"] > host["round:propose"] + host["round:forward"] + host["round:apply"]
     assert set(report["round_overhead_ms"]) == {"b1", "b2"}
     assert report["round_overhead_ms"]["b1"] == report["dominotree"]["forced"]["round"]["t0"]["b1"]["overhead_ms"]
+
+
+def test_projection_combines_costs_at_the_target_shape_with_this_runs_tau(bench):
+    _, _, report = bench
+    proj = report["projection"]["model"]           # the tiny checkpoint's folder name
+    tau = report["dominotree"]["forced"]["t0"]["tau"]
+    assert proj["nodes"] == 3 and proj["tau"] == {"t0": tau} and "projection" in proj["label"]
+    assert proj["drafter"]["hidden_size"] == 64 and proj["drafter"]["num_layers"] == 3   # for_target's default
+    for b in ("b1", "b2"):
+        row = proj["by_batch"][b]
+        assert row["rounds"] > 0 and min(row["plain_ms"], row["verify_ms"], row["draft_ms"], row["round_ms"]) > 0
+        assert row["speedup"]["t0"] == pytest.approx(tau * row["plain_ms"] / row["round_ms"])
+    assert proj["speedup_b1"] == proj["by_batch"]["b1"]["speedup"]["t0"]
+    assert proj["throughput_ratio_b2"] == proj["by_batch"]["b2"]["speedup"]["t0"]
 
 
 def test_greedy_speculative_outputs_equal_plain(bench):
