@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from speculative.profile import measure_verify_profile
+
 # Rounds at one batch size below which their median is not reported as an overhead (bench.speculative
 # --min-rounds): a closed loop reaches its full batch only while every request decodes, so the largest batch can
 # see few rounds.
@@ -47,7 +49,6 @@ class RoundLog:
 def round_cost(engine, log: RoundLog, batches, nodes: int, iters: int = 20,
                min_rounds: int = MIN_ROUNDS) -> dict:
     """temperature key -> b<batch> -> {round_ms, draft_ms, verify_ms, overhead_ms, rounds} (batches with rounds)."""
-    from speculative.profile import measure_verify_profile
     measured = sorted({b for (_, b, n) in log.rounds if n == nodes and b in batches})
     if not measured:
         return {}

@@ -3,13 +3,14 @@ plain decoding, the GPU tree builder's cost per round, and its bit-identity with
 
     python -m bench.speculative [--model PATH] [--drafter DIR] [--prompts bench/data/sharegpt_heldout.json]
         [--num-prompts 32] [--num-prompts-b1 8] [--max-tokens 128] [--modes chain,ddtree,dominotree]
-        [--batches 1,8,32] [--temps 0,1] [--device auto] [--force-budget 16] [--tie 0.25]
-        [--out bench/results/speculative.json]
+        [--batches 1,8,32] [--temps 0,1] [--device auto] [--force-budget 16] [--min-cell-seconds 5] [--repeats 2]
+        [--min-rounds 16] [--projection llama3-8b] [--tie 0.25] [--out bench/results/speculative.json]
     python -m bench.speculative --export-prompts bench/data/sharegpt_heldout.json --split heldout --limit 256
 
 Workload: ShareGPT first human turns (held-out split), chat-formatted with one user turn like the drafter's
 training data, at most --max-prompt-tokens each. A run keeps `b` requests in flight (a finished one is replaced at
-once); batch 1 uses --num-prompts-b1 requests, larger batches --num-prompts. Prefix caching is off (every run
+once; the prompts are queued again until the run has lasted --min-cell-seconds, and each cell runs --repeats
+times); batch 1 uses --num-prompts-b1 requests, larger batches --num-prompts. Prefix caching is off (every run
 prefills cold and the drafter sees every context token), token ids only (no detokenization), one seed per
 request. One engine per method, one after another: plain decoding (CUDA graphs where the engine captures them),
 then each speculative mode; every engine warms up first. Throughput = generated tokens / wall time of the run.
