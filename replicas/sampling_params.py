@@ -108,3 +108,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Below GREEDY_TEMPERATURE (a tiny temperature overflows the float32 logits it divides): the argmax."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that changes the logits (penalties, logit_bias, min_tokens) and no logprobs asked:
+        the sampler's whole work for this row is one argmax."""
+        return (self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0 and not self.logit_bias and self.min_tokens == 0
+                and self.logprobs is None)

@@ -76,6 +76,21 @@ def test_greedy_is_argmax_and_skips_everything_random():
     assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
 
 
+@pytest.mark.parametrize("extra, argmax_only", [
+    ({}, True), (dict(top_k=3, top_p=0.5, seed=7), True), (dict(temperature=0.5), False),
+    (dict(repetition_penalty=1.1), False), (dict(presence_penalty=0.5), False), (dict(frequency_penalty=0.5), False),
+    (dict(logit_bias={3: 5.0}), False), (dict(min_tokens=2), False), (dict(logprobs=0), False)])
+def test_argmax_only_means_the_sampler_takes_the_argmax(extra, argmax_only):
+    """What the tree verifier's shortcut relies on: argmax_only rows come out of the sampler as the plain argmax,
+    and every logits processor or logprobs request turns it off."""
+    params = SamplingParams(**{"temperature": 0.0, **extra})
+    assert params.argmax_only is argmax_only
+    if argmax_only:
+        logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+        out = Sampler()(logits, build([params] * 6, outputs=[[1, 2]] * 6, prompts=[[3]] * 6, vocab=50))
+        assert torch.equal(out.token_ids, logits.argmax(-1)) and out.logprobs is None
+
+
 REQUESTS = [  # (params, seed, position)
     (SamplingParams(temperature=1.0), 11, 0),
     (SamplingParams(temperature=0.8, top_k=40), 12, 3),
