@@ -38,10 +38,11 @@ def test_fp8_speedups_pair_the_runs_by_batch():
 
 def test_fp8_perplexity_reports_both_paths_on_the_fixed_text():
     """The default model on the CPU (float32 for `auto` there: the GGUF's blocks; fp8 dequantizes and quantizes
-    again): both perplexities finite and near each other."""
+    again): both perplexities finite and near each other. 256 tokens: over 64 the ratio is a small sample's (1.11 on
+    one CPU, under 1.1 on another; 1.05 over 256 on the first)."""
     from bench.engine import fp8_perplexity
-    got = fp8_perplexity(tokens=64, device="cpu")
-    assert got["tokens"] == 64 and got["text"].endswith("LICENSE.txt")
+    got = fp8_perplexity(tokens=256, device="cpu")
+    assert got["tokens"] == 256 and got["text"].endswith("LICENSE.txt")
     assert 1 < got["bf16"] < 1000 and 0.9 < got["ratio"] < 1.1, got
 
 
