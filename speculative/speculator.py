@@ -264,9 +264,12 @@ def tree_rows(tree: DraftTree) -> TreeRows:
     b, n = tokens.shape
     offsets = np.concatenate([np.zeros((b, 1), np.int64), depths + 1], 1)
     up = np.concatenate([np.zeros((b, 1), np.int64), np.where(valid, parents + 1, 0)], 1)
-    masks = np.broadcast_to(np.eye(n + 1, dtype=bool), (b, n + 1, n + 1)).copy()
-    cur = np.broadcast_to(np.arange(n + 1), (b, n + 1))
-    for _ in range(int(depths.max(initial=0)) + 1):
-        cur = np.take_along_axis(up, cur, 1)
-        np.put_along_axis(masks, cur[..., None], True, 2)
+    # slot i sees slot j iff j is i or an ancestor: the reflexive-transitive closure of the parent links, by
+    # squaring the one-step relation until paths as long as the deepest slot's are covered (a few small matmuls)
+    reach = np.zeros((b, n + 1, n + 1), np.float32)
+    np.put_along_axis(reach, up[..., None], 1.0, 2)
+    reach[:, np.arange(n + 1), np.arange(n + 1)] = 1.0
+    for _ in range(int(depths.max(initial=0) + 1).bit_length()):
+        reach = np.minimum(reach @ reach, 1.0)
+    masks = reach > 0
     return TreeRows([TreeRow(tokens[i].tolist(), offsets[i].tolist(), masks[i]) for i in range(b)], parents, valid)

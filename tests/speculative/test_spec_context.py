@@ -3,6 +3,7 @@ recompute, pool growth, forgotten sequences), and host-built tree rows equal the
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from speculative.speculator import Speculator, tree_rows
@@ -85,16 +86,17 @@ def test_forgotten_pages_are_reused_and_drafting_reads_the_cache():
     assert proposal.trees.tokens.shape == (1, 8) and len(proposal.rows) == 1
 
 
-def test_tree_rows_match_the_device_tree():
+@pytest.mark.parametrize("n", [9, 17])
+def test_tree_rows_match_the_device_tree(n):
     g = torch.Generator().manual_seed(3)
-    b, n = 3, 9
+    b = 4
     parents = torch.full((b, n), -1)
     depths = torch.zeros(b, n, dtype=torch.long)
     for r in range(b):
         for i in range(1, n):
-            parents[r, i] = int(torch.randint(-1, i, (1,), generator=g))
+            parents[r, i] = i - 1 if r == 3 else int(torch.randint(-1, i, (1,), generator=g))   # row 3: a chain
             depths[r, i] = 0 if parents[r, i] < 0 else depths[r, parents[r, i]] + 1
-    valid = torch.arange(n)[None] < torch.tensor([[9], [5], [1]])
+    valid = torch.arange(n)[None] < torch.tensor([[n], [5], [1], [n]])
     tree = DraftTree(torch.randint(0, 50, (b, n), generator=g), torch.where(valid, parents, -1),
                      torch.where(valid, depths, 0), torch.zeros(b, n), valid)
     rows = tree_rows(tree)
