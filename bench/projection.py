@@ -7,7 +7,9 @@ the target's shape, per batch size b, with the engine the GPU serves:
     plain_ms    one plain decode step (the start-up profile's timer, graphed where the engine graphs it)
     verify_ms   the target's forward over b x (1 + nodes) tree tokens
     draft_ms    the drafting half of a round (context update, drafter pass, tree build, host copy)
-    round_ms    the engine's whole round (bench/round_cost.py's RoundLog: the median decode-only round at exactly b)
+    round_ms    the engine's whole round (the median decode-only round at exactly b)
+
+as bench/round_cost.py's `round_cost` measures them.
 
 The drafter is the bundled drafter's shape scaled to the target: its layer count and block size, the target's
 widths, and the head's GRU and correction rank at hidden/4 and hidden/16 (`DrafterConfig.for_target`). The
@@ -21,18 +23,16 @@ import json
 import os
 import random
 import shutil
-import statistics
 import tempfile
 from typing import Optional
 
 import torch
 
-from bench.round_cost import RoundLog
+from bench.round_cost import RoundLog, round_cost
 from bench.shapes import SHAPES, write_shape
 from replicas import LLM, SamplingParams
 from replicas.config import ModelConfig
 from speculative.drafter import DominoDrafter, DrafterConfig
-from speculative.profile import measure_verify_profile
 
 ROUNDS = 64                 # decode tokens per request in the timed closed loop (ignore EOS)
 PROMPT_TOKENS = 256
@@ -68,25 +68,16 @@ def projection(shape: str, taus: dict[str, float], batches: tuple[int, ...], nod
     try:
         engine = llm.engine
         log = RoundLog(engine.speculator)
+        log.temp = "t0"
         vocab = engine.model_config.vocab_size
         rng = random.Random(seed)
         for b in batches:
-            log.temp = "t0"
             prompts = [[rng.randrange(vocab) for _ in range(PROMPT_TOKENS)] for _ in range(b)]
             params = SamplingParams(temperature=0.0, max_tokens=ROUNDS, ignore_eos=True, detokenize=False)
             llm.generate(prompts, params)
-        profile = measure_verify_profile(engine.runner, engine.speculator, list(batches), [nodes], warmup=3, iters=20)
-        by_batch = {}
-        for b in batches:
-            rounds = log.rounds.get(("t0", b, nodes), [])
-            if b not in profile.step_seconds or not rounds:
-                continue
-            plain, verify = profile.step_time(b, 0), profile.step_time(b, nodes)
-            round_s = statistics.median(rounds)
-            draft = profile.draft_time(b)
-            by_batch[f"b{b}"] = dict(plain_ms=1e3 * plain, verify_ms=1e3 * verify, draft_ms=1e3 * draft,
-                                     round_ms=1e3 * round_s, overhead_ms=1e3 * (round_s - verify - draft),
-                                     rounds=len(rounds), speedup={t: tau * plain / round_s for t, tau in taus.items()})
+        by_batch = round_cost(engine, log, batches, nodes).get("t0", {})
+        for row in by_batch.values():
+            row["speedup"] = {t: tau * row["plain_ms"] / row["round_ms"] for t, tau in taus.items()}
         out = dict(shape=shape if shape in SHAPES else os.path.basename(folder.rstrip("/")), nodes=nodes,
                    label="projection: random weights at this shape; tau from the real SmolLM2 pair of this run",
                    tau=taus, drafter=drafter_cfg, weights="random bf16 (load_format=dummy)", by_batch=by_batch)

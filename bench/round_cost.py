@@ -34,6 +34,10 @@ LABELS = ("round:step", "round:schedule", "round:propose", "round:forward", "rou
 class RoundLog:
     """Collects the engine's decode-only speculative rounds, seconds by (temperature key, batch size, nodes)."""
 
+    @property
+    def count(self) -> int:
+        return sum(map(len, self.rounds.values()))
+
     def __init__(self, speculator):
         self.rounds: dict[tuple[str, int, int], list[float]] = defaultdict(list)
         self.temp = ""
@@ -48,7 +52,8 @@ class RoundLog:
 
 def round_cost(engine, log: RoundLog, batches, nodes: int, iters: int = 20,
                min_rounds: int = MIN_ROUNDS) -> dict:
-    """temperature key -> b<batch> -> {round_ms, draft_ms, verify_ms, overhead_ms, rounds} (batches with rounds)."""
+    """temperature key -> b<batch> -> {round_ms, draft_ms, verify_ms, plain_ms, overhead_ms, rounds} (batches with
+    rounds; plain_ms: a plain decode step, timed with the others)."""
     measured = sorted({b for (_, b, n) in log.rounds if n == nodes and b in batches})
     if not measured:
         return {}
@@ -61,6 +66,7 @@ def round_cost(engine, log: RoundLog, batches, nodes: int, iters: int = 20,
         draft_ms, verify_ms = 1e3 * profile.draft_time(b), 1e3 * profile.step_time(b, nodes)
         enough = len(seconds) >= min_rounds
         out[temp][f"b{b}"] = dict(round_ms=round_ms, draft_ms=draft_ms, verify_ms=verify_ms,
+                                  plain_ms=1e3 * profile.step_time(b, 0),
                                   overhead_ms=round_ms - draft_ms - verify_ms if enough else None,
                                   rounds=len(seconds), verify_graphed=(b, nodes) in profile.graphed)
         if not enough:

@@ -248,10 +248,10 @@ def profile_rounds(cfg: BenchConfig, llm: LLM, prompts: list[list[int]], b: int,
                    replays: list[int]) -> dict:
     """bench.round_cost.breakdown of `b` greedy requests at batch b (64 tokens each)."""
     log.temp = "profiled"
-    before = sum(len(v) for v in log.rounds.values())
+    before = log.count
     parts = breakdown(llm.engine, lambda: drive(llm, prompts[:b], sampling(cfg, 0.0, b, 64), b, f"profile-b{b}",
                                                 replays))
-    rounds = sum(len(v) for v in log.rounds.values()) - before
+    rounds = log.count - before
     per = max(1, rounds)
     return dict(rounds=rounds,
                 ms_per_round={k: {m: v / per for m, v in part.items()} for k, part in parts["parts"].items()},

@@ -64,6 +64,15 @@ class SamplingBatch:
     token_mask: Optional[TokenMask] = None      # the grammar bitmask of the rows that follow a grammar
 
     @staticmethod
+    def greedy(num_rows: int, vocab_size: int, device) -> "SamplingBatch":
+        """Every row takes the argmax of its logits (SamplingParams.argmax_only): nothing is copied to the device."""
+        f, i = torch.empty(0, device=device), torch.empty(0, dtype=torch.long, device=device)
+        return SamplingBatch(vocab_size, num_rows, random_rows=i, temperature=f, top_k=i, top_p=f, min_p=f,
+                             seed_lo=i, seed_hi=i, positions=i, all_greedy=True, all_random=num_rows == 0,
+                             use_top_k=False, use_top_p=False, use_min_p=False, needs_full_sort=False, max_top_k=0,
+                             penalties=None, stop_mask=None, num_logprobs=None)
+
+    @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], positions: list[int],
               output_token_ids: Sequence[Sequence[int]], prompt_token_ids: Sequence[Sequence[int]],
               eos_token_ids: tuple[int, ...], vocab_size: int, device,
@@ -72,6 +81,8 @@ class SamplingBatch:
         if not (len(seeds) == len(positions) == n):
             raise ValueError(f"params, seeds and positions must have one entry per row, got "
                              f"{n}, {len(seeds)}, {len(positions)}")
+        if token_mask is None and all(p.argmax_only for p in params):
+            return SamplingBatch.greedy(n, vocab_size, device)
         rnd = [i for i, p in enumerate(params) if not p.greedy]
         top_k = [_effective_top_k(params[i].top_k, vocab_size) for i in rnd]
         top_p = [float(params[i].top_p) for i in rnd]
@@ -88,7 +99,6 @@ class SamplingBatch:
             floats, ints = to_device(floats, device), to_device(ints, device)
         else:
             floats, ints = floats.to(device), ints.to(device)     # empty: an allocation, nothing to copy
-
         return SamplingBatch(
             vocab_size=vocab_size,
             num_rows=n,
@@ -119,10 +129,6 @@ def _effective_top_k(top_k: int, vocab_size: int) -> int:
     return vocab_size if top_k <= 0 or top_k >= vocab_size else top_k
 
 
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 def _padded_ids(lists: list[Sequence[int]], vocab_size: int) -> torch.Tensor:
     """[B, L] int64 on the host, padded with `vocab_size` (a column the scatter target drops)."""
     width = max((len(t) for t in lists), default=0)
@@ -142,7 +148,7 @@ def _scatter_ids(lists: list[Sequence[int]], vocab_size: int, device, dtype) -> 
 
 
 def _build_penalties(params, output_token_ids, prompt_token_ids, vocab_size, device) -> Optional[PenaltyState]:
-    rows = [i for i, p in enumerate(params) if _has_penalty(p)]
+    rows = [i for i, p in enumerate(params) if p.penalized]
     if not rows:
         return None
     on = set(rows)

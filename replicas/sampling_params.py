@@ -110,9 +110,13 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def penalized(self) -> bool:
+        """A repetition, presence or frequency penalty applies."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def argmax_only(self) -> bool:
         """Greedy with nothing that changes the logits (penalties, logit_bias, min_tokens) and no logprobs asked:
         the sampler's whole work for this row is one argmax."""
-        return (self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0 and not self.logit_bias and self.min_tokens == 0
+        return (self.greedy and not self.penalized and not self.logit_bias and self.min_tokens == 0
                 and self.logprobs is None)

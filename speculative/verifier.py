@@ -13,7 +13,7 @@ from typing import Sequence as Seq
 import numpy as np
 import torch
 
-from replicas.sampler import Sampler, SamplerOutput
+from replicas.sampler import Sampler
 from replicas.sampling_batch import SamplingBatch
 from replicas.sequence import Sequence
 from replicas.speculation_api import DraftProposal, VerifiedRound
@@ -53,8 +53,8 @@ class TreeVerifier:
         """One device-to-host copy: the walk's result."""
         rows, tree = proposal.rows, proposal.trees
         width = len(rows[0].offsets)
-        if all(s.params.argmax_only for s in seqs):        # the sampler would only take the argmax of every row
-            out = SamplerOutput(logits[:, :self.vocab_size].argmax(-1), None, None, None)
+        if all(s.params.argmax_only for s in seqs):        # no per-row parameters, histories or positions to build
+            sb = SamplingBatch.greedy(len(seqs) * width, self.vocab_size, logits.device)
         else:
             params = [s.params for s in seqs for _ in range(width)]
             seeds = [s.seed for s in seqs for _ in range(width)]
@@ -63,7 +63,7 @@ class TreeVerifier:
             sb = SamplingBatch.build(params, seeds, positions, _PathHistory(seqs, rows, False),
                                      _PathHistory(seqs, rows, True), self.eos_token_ids, self.vocab_size,
                                      logits.device)
-            out = self.sampler(logits, sb)
+        out = self.sampler(logits, sb)
         acc = walk(tree, out.token_ids.view(len(seqs), width).to(tree.tokens.device))
         host = torch.cat([acc.num_emitted[:, None], acc.tokens, acc.path_slots], 1).cpu().numpy()
         return VerifiedRound(num_emitted=host[:, 0], tokens=host[:, 1:1 + width], path_slots=host[:, 1 + width:],
