@@ -8,10 +8,14 @@ the replicas' internal gRPC listener by cluster.loopback_binds.
 """
 from __future__ import annotations
 
+import csv
+import glob
 import importlib.util
+import io
 import ipaddress
 import os
 import shutil
+import socket
 
 # Ray Serve's throughput preset (set in the environment to override): the replica's user code and its router on the
 # replica's own event loop, gRPC from proxy to replica, every ingress replica on a port of its own (direct
@@ -73,6 +77,29 @@ def haproxy_env(state_dir: str, host: str) -> dict[str, str]:
         env["RAY_SERVE_HAPROXY_BINARY_PATH"] = write_launcher(os.path.join(state_dir, "haproxy"), host,
                                                               get_haproxy_binary())
     return env
+
+
+def haproxy_replicas_up(app_name: str) -> int:
+    """How many of the app's replicas HAProxy routes to now (servers of its `http-APP` backend whose state is UP),
+    read from HAProxy's admin socket (`show stat`; Serve puts it in a folder named after the node, under the
+    configured path's folder). Serve adds HAProxy's backends once its replicas run and HAProxy marks a server UP
+    after its health checks pass, both a little after `serve.run` returns; 0 while the socket is not there yet."""
+    configured = os.environ.get("RAY_SERVE_HAPROXY_SOCKET_PATH", "")
+    folder, name = os.path.split(configured)
+    sockets = glob.glob(os.path.join(folder, "*", name)) + glob.glob(configured) if configured else []
+    if not sockets:
+        return 0
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5.0)
+            s.connect(sockets[0])
+            s.sendall(b"show stat\n")
+            reply = b"".join(iter(lambda: s.recv(65536), b"")).decode(errors="replace")
+    except OSError:
+        return 0
+    rows = csv.DictReader(io.StringIO(reply.removeprefix("# ")))
+    return sum(1 for row in rows if row.get("pxname") == f"http-{app_name}"
+               and (row.get("svname") or "").startswith("SERVE_REPLICA") and (row.get("status") or "").startswith("UP"))
 
 
 def ray_init_options(host: str, num_cpus: int, metrics_port: int, state_dir: str) -> dict:

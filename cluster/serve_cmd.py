@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from cluster.admission import MAX_QUEUED_REQUESTS
 from cluster.controller import ACTOR_NAME as CONTROLLER_ACTOR
 from cluster.controller_policies import POLICIES
-from cluster.local_cluster import (SERVE_ENV, cluster_alive, haproxy_available, haproxy_env, is_loopback,
-                                   keep_ray_on_loopback, ray_init_options)
+from cluster.local_cluster import (SERVE_ENV, cluster_alive, haproxy_available, haproxy_env, haproxy_replicas_up,
+                                   is_loopback, keep_ray_on_loopback, ray_init_options)
 from replicas import envs
 from replicas.config import EngineConfig, add_engine_arguments, engine_kwargs_from_args
 from replicas.device import resolve_device
@@ -153,6 +153,7 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
     joined = bool(os.environ.get("RAY_ADDRESS"))
     cluster_lost = threading.Event()
     state_dir = None
+    routed_by_own_haproxy = False
     try:
         if joined:
             ray.init(address=os.environ["RAY_ADDRESS"])
@@ -164,6 +165,7 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
             env = dict(SERVE_ENV)
             if args.ingress == "haproxy" or (args.ingress == "auto" and haproxy_available()):
                 env.update(haproxy_env(state_dir, args.host))
+                routed_by_own_haproxy = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1"
             for key, value in env.items():            # read by Serve's processes, which inherit this environment
                 os.environ.setdefault(key, value)
             if is_loopback(args.host):
@@ -180,6 +182,8 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
         serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         model = _wait_until_healthy(url, READY_TIMEOUT_S)
+        if routed_by_own_haproxy:
+            _wait_until_routed(args.replicas, READY_TIMEOUT_S)
         serving.set()
         metrics = "" if joined else f", Prometheus metrics on :{args.metrics_port}"
         for replica_url in replica_urls(APP_NAME, args.host):
@@ -340,6 +344,15 @@ def _wait_until_healthy(url: str, timeout_s: float) -> str:
             last = str(e)
         time.sleep(0.5)
     raise TimeoutError(f"{url}/health did not answer within {timeout_s:.0f}s ({last})")
+
+
+def _wait_until_routed(replicas: int, timeout_s: float) -> None:
+    """Poll HAProxy until it routes to every replica, so that "serving" means the whole fleet takes requests."""
+    deadline = time.monotonic() + timeout_s
+    while (up := haproxy_replicas_up(APP_NAME)) < replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"HAProxy routes to {up} of {replicas} replicas after {timeout_s:.0f}s")
+        time.sleep(0.25)
 
 
 def main(argv=None) -> int:
