@@ -17,7 +17,7 @@ Cells: plain, then constrained, repeated --repeats times (interleaved, so drift 
 each cell runs for --seconds of wall time after its own warm-up of --warmup requests, then the requests still in
 flight are aborted. Counted: the engine's generation-token counter over the cell's wall time (tokens of aborted
 requests included: they were generated). `ratio` = median constrained tokens/s over median plain tokens/s. Also
-recorded: the host time to fill one step's bitmask (it overlaps the forward), and whether every constrained
+recorded: the host time to fill one step's bitmask (on CUDA it overlaps the forward), and whether every constrained
 output that finished (warm-ups included) parses and validates.
 """
 from __future__ import annotations

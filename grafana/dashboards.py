@@ -121,7 +121,7 @@ SERVING = DashboardDef(
                      "Grammar requests served from the cache / all grammar requests (hits + compiles)."),
             latency_panel("Grammar compile time", "tidal:grammar_compile_seconds"),
             PanelDef("Grammar mask time per step", "s", quantile_targets("tidal:grammar_mask_seconds"),
-                     "Host time to fill one step's token bitmask; it overlaps the forward."),
+                     "Host time to fill one step's token bitmask; on CUDA it overlaps the forward."),
         )),
     ),
 )

@@ -234,27 +234,26 @@ class LLMEngine:
         step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
                                     spec.aux_layers if spec is not None else ())
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        # rows of `sampling` that follow a grammar: their bitmask is filled while the forward runs
-        guided = [row for row, i in enumerate(sampling) if batch.seqs[i].grammar is not None]
+        guided = [row for row, i in enumerate(sampling) if batch.seqs[i].grammar is not None]  # rows of `sampling`
         guided_seqs = [batch.seqs[sampling[r]] for r in guided]
         broken: list[tuple[Sequence, Exception]] = []
-        pending_mask = self.guided.start(guided_seqs, broken) if guided else None
         self._in_forward = True
         logits = self.runner.execute(step)
         self._in_forward = False
         plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted) if drafted else ([], [])
-        tokens, out = [], None
+        tokens, out, refused = [], None, []
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
-            mask = self.guided.token_mask(pending_mask, guided, logits.device) if guided else None
+            # filled while the forward runs (on CUDA it is only enqueued yet)
+            mask = self.guided.token_mask(guided_seqs, guided, logits.device, broken) if guided else None
             sb = SamplingBatch.build(
                 [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
                 _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),
                 self.eos_token_ids, self.model_config.vocab_size, logits.device, token_mask=mask)
             out = self.sampler(_take_rows(logits, plain_rows) if drafted else logits, sb)
             tokens = out.token_ids.tolist()
-            if guided:              # matchers advance and the next step's rows fill while the tokens are appended
-                self.guided.advance(guided_seqs, [tokens[r] for r in guided])
+            if guided:
+                refused = self.guided.advance(guided_seqs, [tokens[r] for r in guided])
         now = time.monotonic()
         touched: dict[str, Request] = {}
         aux = self.runner.last_aux_hidden if spec is not None else None
@@ -285,11 +284,9 @@ class LLMEngine:
                 self._fail_own(seq.request_id, e)
                 continue
             touched[seq.request_id] = req
-        if guided:
-            for seq, token in self.guided.finish_advance():
-                if seq.request_id in self.requests:     # its refused token never reaches the client
-                    self._fail_own(seq.request_id, GrammarError(f"the sampled token {token} does not match the "
-                                                                "grammar"))
+        for seq, token in refused:
+            if seq.request_id in self.requests:     # its refused token never reaches the client
+                self._fail_own(seq.request_id, GrammarError(f"the sampled token {token} does not match the grammar"))
         if len(self.failed) > num_failed:   # a request that failed after another of its sequences was touched
             touched = {rid: req for rid, req in touched.items() if rid in self.requests}
         self.stats.num_steps += 1

@@ -128,7 +128,8 @@ METRICS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("grammar_cache_hits", C, "Grammar requests served from the compiled-grammar cache."),
     MetricSpec("grammar_compile_seconds", H, "Duration of one grammar compile (a cache miss).",
                buckets=GRAMMAR_COMPILE_BUCKETS),
-    MetricSpec("grammar_mask_seconds", H, "Host time to fill one step's grammar bitmask (overlaps the forward).",
+    MetricSpec("grammar_mask_seconds", H,
+               "Host time to fill one step's grammar bitmask (on CUDA it overlaps the forward).",
                buckets=GRAMMAR_MASK_BUCKETS),
     # fleet controller
     MetricSpec("controller_decisions", C, "Controller decisions applied to a replica.", ("knob", "reason")),

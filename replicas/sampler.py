@@ -12,7 +12,9 @@ Order of processing, all batched torch ops on the logits' device:
    stop_token_ids get -inf.
    logit_bias: each entry is added to its row's logit (one batched index_put over every row's entries).
    Grammar: the tokens a constrained row's grammar does not allow next get -inf (the row's packed bitmask,
-   replicas/structured/bitmask.py); rows without a grammar are untouched. Logprobs stay those of step 1.
+   replicas/structured/bitmask.py), in place: float32 logits given to the sampler may come back with those
+   entries at -inf, so a caller passes logits it does not read again. Rows without a grammar are untouched.
+   Logprobs stay those of step 1.
 4. Greedy rows (temperature 0): argmax of the penalised logits (first index on ties).
 5. Random rows: divide by temperature; top-k (keep logits >= the k-th largest); top-p on the
    renormalised top-k distribution (keep the smallest descending prefix whose mass reaches p);
@@ -45,7 +47,7 @@ import torch
 from torch import nn
 
 from replicas.sampling_batch import PenaltyState, SamplingBatch
-from replicas.structured.bitmask import apply_token_bitmask
+from replicas.structured.bitmask import apply_token_bitmask_
 
 _MASK32 = 0xFFFFFFFF
 _SEED_SALT = 0x5BD1E995
@@ -118,6 +120,7 @@ class Sampler(nn.Module):
         super().__init__()
         self._codes: Optional[torch.Tensor] = None
 
+    @torch.inference_mode()         # the runner's logits are inference tensors, and the grammar mask writes into them
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (tuple(logits.shape), batch.num_rows)
         if logits.shape[-1] > batch.vocab_size:        # padded LM head columns are never sampled
@@ -131,7 +134,7 @@ class Sampler(nn.Module):
         if batch.logit_bias is not None:
             logits = logits.index_put(batch.logit_bias.index, batch.logit_bias.values, accumulate=True)
         if batch.token_mask is not None:
-            logits = apply_token_bitmask(logits, batch.token_mask)
+            apply_token_bitmask_(logits, batch.token_mask)
 
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)

@@ -65,7 +65,8 @@ class SamplingBatch:
 
     @staticmethod
     def greedy(num_rows: int, vocab_size: int, device) -> "SamplingBatch":
-        """Every row takes the argmax of its logits (SamplingParams.argmax_only): nothing is copied to the device."""
+        """Every row takes the argmax of its logits (SamplingParams.argmax_only), after its grammar's mask if `build`
+        sets one: nothing is copied to the device."""
         f, i = torch.empty(0, device=device), torch.empty(0, dtype=torch.long, device=device)
         return SamplingBatch(vocab_size, num_rows, random_rows=i, temperature=f, top_k=i, top_p=f, min_p=f,
                              seed_lo=i, seed_hi=i, positions=i, all_greedy=True, all_random=num_rows == 0,
@@ -81,8 +82,10 @@ class SamplingBatch:
         if not (len(seeds) == len(positions) == n):
             raise ValueError(f"params, seeds and positions must have one entry per row, got "
                              f"{n}, {len(seeds)}, {len(positions)}")
-        if token_mask is None and all(p.argmax_only for p in params):
-            return SamplingBatch.greedy(n, vocab_size, device)
+        if all(p.argmax_only for p in params):
+            batch = SamplingBatch.greedy(n, vocab_size, device)
+            batch.token_mask = token_mask
+            return batch
         rnd = [i for i, p in enumerate(params) if not p.greedy]
         top_k = [_effective_top_k(params[i].top_k, vocab_size) for i in rnd]
         top_p = [float(params[i].top_p) for i in rnd]

@@ -1,8 +1,10 @@
 """The packed token bitmask and its masked fill, in the batched sampler (replicas/sampler.py).
 
 Layout (xgrammar's and llguidance's): int32 [rows, ceil(V / 32)], bit t % 32 of word t // 32 set = token t allowed.
-`apply_token_bitmask` sets the disallowed logits of the constrained rows to -inf with a few batched torch ops on
-the logits' device (CPU or CUDA, the same code); rows without a grammar are not touched.
+`apply_token_bitmask_` sets the disallowed logits of the constrained rows to -inf in place, with a few batched
+torch ops on the logits' device (CPU or CUDA, the same code); rows without a grammar are not touched. In place:
+a step's logits are [B, V] floats, and every full-size copy of them (a gather of the constrained rows, a masked
+result, a scatter back) costs as much as the masking itself.
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ import torch
 
 
 @lru_cache(maxsize=None)
-def _bits(device: torch.device) -> torch.Tensor:
-    """int32 [32]: 1 << b (bit 31 is the sign bit), once per device (no host-to-device copy per step)."""
-    return torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
+def _byte_bits(device: torch.device, allowed: bool) -> torch.Tensor:
+    """bool [256, 8]: row v holds bits 0..7 of the byte v (set, or clear when not `allowed`), once per device."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return (bits == 1 if allowed else bits == 0).to(device)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -26,19 +29,30 @@ def bitmask_words(vocab_size: int) -> int:
 class TokenMask:
     rows: torch.Tensor          # int64 [C]: the sampler batch's rows that follow a grammar
     bitmask: torch.Tensor       # int32 [C, words]: row i's allowed tokens, on the logits' device
+    leading: bool = False       # rows are 0..C-1 (every row of a fully constrained batch): no gather, no scatter
+
+
+def _unpacked(bitmask: torch.Tensor, vocab_size: int, allowed: bool) -> torch.Tensor:
+    """Each byte of the words looked up in a 256-row table: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7
+    on a little-endian host (the only kind torch runs on), lowest bit first."""
+    table = _byte_bits(bitmask.device, allowed)
+    rows = bitmask.shape[0]
+    return table.index_select(0, bitmask.view(torch.uint8).reshape(-1).long()).view(rows, -1)[:, :vocab_size]
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [C, vocab_size]: the unpacked mask."""
-    bits = _bits(bitmask.device)
-    return (torch.bitwise_and(bitmask.unsqueeze(-1), bits) != 0).view(bitmask.shape[0], -1)[:, :vocab_size]
+    return _unpacked(bitmask, vocab_size, True)
 
 
-def apply_token_bitmask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
-    """logits [B, V] with the masked tokens of rows `mask.rows` at -inf (a new tensor; `logits` is unchanged)."""
-    allowed = allowed_tokens(mask.bitmask, logits.shape[-1])
-    masked = torch.where(allowed, logits.index_select(0, mask.rows), float("-inf"))
-    return logits.index_copy(0, mask.rows, masked)
+def apply_token_bitmask_(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """Sets the disallowed tokens of rows `mask.rows` of logits [B, V] to -inf, in place; returns `logits`."""
+    blocked = _unpacked(mask.bitmask, logits.shape[-1], False)
+    if mask.leading:
+        logits[:blocked.shape[0]].masked_fill_(blocked, float("-inf"))
+    else:
+        logits.index_copy_(0, mask.rows, logits.index_select(0, mask.rows).masked_fill_(blocked, float("-inf")))
+    return logits
 
 
 def pack_allowed(allowed: torch.Tensor) -> torch.Tensor:

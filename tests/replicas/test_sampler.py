@@ -11,7 +11,7 @@ import torch
 from replicas.sampler import Sampler, apply_penalties, counter_uniforms, mix32, row_keys, vocab_codes
 from replicas.sampling_batch import SamplingBatch
 from replicas.sampling_params import SamplingParams
-from replicas.structured.bitmask import TokenMask, allowed_tokens, apply_token_bitmask, pack_allowed
+from replicas.structured.bitmask import TokenMask, allowed_tokens, apply_token_bitmask_, pack_allowed
 
 EOS = 2
 M32 = 0xFFFFFFFF
@@ -355,18 +355,24 @@ def grammar_case(device="cpu"):
     return logits.to(device), params, allowed, mask
 
 
-def test_grammar_bitmask_masks_its_rows_and_leaves_the_others_alone():
+def test_grammar_bitmask_masks_its_rows_in_place_and_leaves_the_others_alone():
     logits, params, allowed, mask = grammar_case()
     assert torch.equal(allowed_tokens(mask.bitmask, 70), allowed)
-    masked = apply_token_bitmask(logits, mask)
+    masked = logits.clone()
+    assert apply_token_bitmask_(masked, mask) is masked
     free = [0, 2, 3, 5]
     assert torch.equal(masked[free], logits[free])
     for row, want in zip((1, 4), allowed):
         assert torch.equal(masked[row][want], logits[row][want])
         assert torch.isneginf(masked[row][~want]).all()
+    leading = TokenMask(torch.tensor([0, 1]), mask.bitmask, leading=True)    # the fully constrained batch's form
+    first_two = apply_token_bitmask_(logits[:2].clone(), leading)
+    assert torch.equal(first_two, apply_token_bitmask_(logits[:2].clone(), TokenMask(leading.rows, mask.bitmask)))
+    assert torch.equal(first_two[1][allowed[1]], logits[1][allowed[1]])
+    assert torch.isneginf(first_two[1][~allowed[1]]).all()
     for positions in ([5] * 6, [9] * 6, [123] * 6):
         plain = Sampler()(logits, build(params, positions=positions, vocab=70)).token_ids
-        guided = Sampler()(logits, build(params, positions=positions, vocab=70, token_mask=mask)).token_ids
+        guided = Sampler()(logits.clone(), build(params, positions=positions, vocab=70, token_mask=mask)).token_ids
         assert torch.equal(guided[free], plain[free])
         assert all(allowed[i, guided[row]] for i, row in enumerate((1, 4)))
     assert guided[1] == max((3, 40, 69), key=lambda t: logits[1, t])     # greedy: the best allowed token
@@ -394,10 +400,10 @@ def test_cuda_grammar_bitmask_and_logit_bias_equal_cpu():
     cpu_logits, params, _, cpu_mask = grammar_case()
     gpu_logits, _, _, gpu_mask = grammar_case("cuda")
     params = [SamplingParams(temperature=p.temperature, logit_bias={3: -5.0, 60: 2.5}) for p in params]
-    cpu = Sampler()(cpu_logits, build(params, vocab=70, token_mask=cpu_mask)).token_ids
-    gpu = Sampler()(gpu_logits, build(params, vocab=70, device="cuda", token_mask=gpu_mask)).token_ids
+    cpu = Sampler()(cpu_logits.clone(), build(params, vocab=70, token_mask=cpu_mask)).token_ids
+    gpu = Sampler()(gpu_logits.clone(), build(params, vocab=70, device="cuda", token_mask=gpu_mask)).token_ids
     assert torch.equal(cpu, gpu.cpu())
-    assert torch.equal(apply_token_bitmask(cpu_logits, cpu_mask), apply_token_bitmask(gpu_logits, gpu_mask).cpu())
+    assert torch.equal(apply_token_bitmask_(cpu_logits, cpu_mask), apply_token_bitmask_(gpu_logits, gpu_mask).cpu())
 
 
 @pytest.mark.gpu

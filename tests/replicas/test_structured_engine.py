@@ -130,17 +130,17 @@ def test_sync_rolls_a_matcher_back_and_forward_to_its_sequence(llm):
         guided.sync(seq)
         fresh.token_ids += ids[:-3]
         guided.sync(fresh)
-        masks = [allowed_tokens(guided.start([s], []).result().clone(), guided.vocab_size) for s in (seq, fresh)]
+        masks = [allowed_tokens(guided.fill([s], []).clone(), guided.vocab_size) for s in (seq, fresh)]
         assert seq.grammar.num_tokens == len(ids) - 3 and torch.equal(masks[0], masks[1])
         assert not torch.equal(masks[0], torch.ones_like(masks[0]))
     finally:
         guided.shutdown()
 
 
-def test_rows_filled_ahead_equal_a_fresh_fill_and_a_refused_token_is_reported(llm):
-    """The step pipeline: rows filled ahead after sampling are reused only for the same sequence at the same output
-    length, whatever the next step's row order or new sequences; each row equals a fresh matcher's for the same
-    tokens; a token the grammar refuses is reported by `finish_advance` and leaves that sequence to `sync`."""
+def test_each_steps_rows_equal_a_fresh_fill_and_a_refused_token_is_reported(llm):
+    """The step pipeline: whatever the row order, new sequences or sequences leaving, each step's row of a sequence
+    equals a fresh matcher's for the same tokens; `advance` reports a token the grammar refuses, whose matcher stays
+    as it was, and the next fill reports that sequence as broken."""
     tok, engine = llm.tokenizer, llm.engine
     vocab = engine.model_config.vocab_size
     guided = GuidedDecoding("xgrammar", 4, tok, vocab, engine.eos_token_ids, 4, "cpu")
@@ -150,36 +150,34 @@ def test_rows_filled_ahead_equal_a_fresh_fill_and_a_refused_token_is_reported(ll
         ids = tok.encode('{"kind": "beta", "size": 42, "tags": ["x"', add_special_tokens=False)
         a, b, c = (Sequence(name, 0, [1, 2], SamplingParams(), 0, 0.0) for name in "abc")
         guided.attach([a, b, c], compiled)
-        reference.attach([a, b, c], compiled)
 
         def expected(seq) -> torch.Tensor:
             fresh = Sequence("ref", 0, list(seq.token_ids), SamplingParams(), 0, 0.0)
             fresh.num_prompt_tokens = seq.num_prompt_tokens
             reference.attach([fresh], compiled)
-            reference.sync(fresh)
-            return allowed_tokens(reference.start([fresh], []).result().clone(), vocab)
+            return allowed_tokens(reference.fill([fresh], []).clone(), vocab)
 
         def step(seqs, tokens) -> list:
             broken: list = []
-            rows = guided.start(seqs, broken).result().clone()
+            mask = guided.token_mask(seqs, list(range(len(seqs))), "cpu", broken)
+            assert not broken and mask.leading
             for row, seq in enumerate(seqs):
-                assert torch.equal(allowed_tokens(rows[row:row + 1], vocab), expected(seq)), (seq.request_id, row)
-            guided.advance(seqs, tokens)
+                assert torch.equal(allowed_tokens(mask.bitmask[row:row + 1], vocab), expected(seq)), seq.request_id
+            refused = guided.advance(seqs, tokens)
             for seq, token in zip(seqs, tokens):
                 seq.token_ids.append(token)
-            return guided.finish_advance()
+            return refused
 
-        for i in range(4):                                            # a steady decode: every row filled ahead
+        for i in range(4):                                            # a steady decode
             assert step([a, b], [ids[i], ids[i]]) == []
-        guided._ahead.filled.result()                                 # the last fill ahead runs on past the step
-        assert guided.mask_steps == 5                                 # the first step's fill + 4 ahead
-        assert step([c, b, a], [ids[0], ids[4], ids[4]]) == []        # order changed, c new: reused and fresh rows
+        assert guided.mask_steps == 4
+        assert step([c, b, a], [ids[0], ids[4], ids[4]]) == []        # order changed, c new
         assert step([a], [ids[5]]) == []                              # b and c left the batch
         refused = step([b, a], [ids[5], tok.encode("]]]", add_special_tokens=False)[0]])
         assert [(seq.request_id, token) for seq, token in refused] == [("a", a.token_ids[-1])]
         assert a.grammar.num_tokens == a.num_output_tokens - 1        # the matcher never took the refused token
         broken: list = []
-        guided.start([a, b], broken).result()
+        guided.fill([a, b], broken)
         assert [seq.request_id for seq, _ in broken] == ["a"]
     finally:
         guided.shutdown()
