@@ -1,4 +1,4 @@
-"""Parity with HF transformers on tiny random Llama and Qwen3 checkpoints, TP=2 (gloo) against TP=1,
+"""Parity with HF transformers on tiny random Llama and Qwen3 checkpoints, TP=2 and TP=4 (gloo) against TP=1,
 and clear errors for bad requests."""
 import pytest
 import torch
@@ -60,16 +60,29 @@ def test_tiny_greedy_and_logits_match_hf(tiny):
         assert len(entry) >= 3
 
 
+def tp_greedy(folder, prompts, tp: int) -> list[list[int]]:
+    llm = LLM(model=folder, tensor_parallel_size=tp, block_size=16, max_num_seqs=16)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
 def test_tp2_gloo_matches_tp1(tiny):
     folder, hf, llm = tiny
     prompts = random_prompts(hf.config.vocab_size, n=6, seed=1)
     one = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    llm2 = LLM(model=folder, tensor_parallel_size=2, block_size=16, max_num_seqs=16)
-    try:
-        two = [o.outputs[0].token_ids for o in llm2.generate(prompts, GREEDY)]
-    finally:
-        llm2.shutdown()
-    compare_greedy(prompts, two, one, last_logits_fn(hf))
+    compare_greedy(prompts, tp_greedy(folder, prompts, 2), one, last_logits_fn(hf))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp4_gloo_matches_tp1(arch, tmp_path):
+    """Four gloo ranks, one KV head each (8 query heads over 4 KV heads), against TP=1 on the same weights."""
+    make = make_tiny_llama if arch == "llama" else make_tiny_qwen3
+    folder = make(str(tmp_path / arch), num_attention_heads=8, num_key_value_heads=4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = random_prompts(hf.config.vocab_size, n=6, seed=2)
+    compare_greedy(prompts, tp_greedy(folder, prompts, 4), tp_greedy(folder, prompts, 1), last_logits_fn(hf))
 
 
 def test_bad_requests_get_clear_errors(tiny):
