@@ -34,10 +34,6 @@ LABELS = ("round:step", "round:schedule", "round:propose", "round:forward", "rou
 class RoundLog:
     """Collects the engine's decode-only speculative rounds, seconds by (temperature key, batch size, nodes)."""
 
-    @property
-    def count(self) -> int:
-        return sum(map(len, self.rounds.values()))
-
     def __init__(self, speculator):
         self.rounds: dict[tuple[str, int, int], list[float]] = defaultdict(list)
         self.temp = ""
@@ -48,6 +44,10 @@ class RoundLog:
                 self.rounds[(self.temp, batch_size, nodes)].append(seconds)
             record(batch_size, nodes, seconds, tokens_per_seq)
         speculator.record_round = recorded
+
+    @property
+    def count(self) -> int:
+        return sum(map(len, self.rounds.values()))
 
 
 def round_cost(engine, log: RoundLog, batches, nodes: int, iters: int = 20,

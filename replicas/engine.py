@@ -35,10 +35,10 @@ from replicas.sequence import Sequence
 from replicas.speculation_api import Proposer, VerifiedRound, Verifier, load_speculation
 from replicas.stats import EngineStats, RequestTimings
 from replicas.step_input import StepInput
-from replicas.transfer import to_device
 from replicas.stream_coalescer import StreamCoalescer
 from replicas.structured.backend import GrammarError
 from replicas.structured.guided import GuidedDecoding
+from replicas.transfer import to_device
 
 Prompt = Union[str, list[int]]
 COMPILE_WAIT_S = 0.05       # an engine with nothing to run but grammars compiling waits this long per step
@@ -245,7 +245,7 @@ class LLMEngine:
         if sampling:
             seqs = [batch.seqs[i] for i in sampling]
             # filled while the forward runs (on CUDA it is only enqueued yet)
-            mask = self.guided.token_mask(guided_seqs, guided, logits.device, broken) if guided else None
+            mask = self.guided.token_mask(guided_seqs, guided, broken) if guided else None
             sb = SamplingBatch.build(
                 [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
                 _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),

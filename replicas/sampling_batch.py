@@ -64,14 +64,14 @@ class SamplingBatch:
     token_mask: Optional[TokenMask] = None      # the grammar bitmask of the rows that follow a grammar
 
     @staticmethod
-    def greedy(num_rows: int, vocab_size: int, device) -> "SamplingBatch":
-        """Every row takes the argmax of its logits (SamplingParams.argmax_only), after its grammar's mask if `build`
-        sets one: nothing is copied to the device."""
+    def greedy(num_rows: int, vocab_size: int, device, token_mask: Optional[TokenMask] = None) -> "SamplingBatch":
+        """Every row takes the argmax of its logits (SamplingParams.argmax_only), after its grammar's mask if any:
+        nothing is copied to the device."""
         f, i = torch.empty(0, device=device), torch.empty(0, dtype=torch.long, device=device)
         return SamplingBatch(vocab_size, num_rows, random_rows=i, temperature=f, top_k=i, top_p=f, min_p=f,
                              seed_lo=i, seed_hi=i, positions=i, all_greedy=True, all_random=num_rows == 0,
                              use_top_k=False, use_top_p=False, use_min_p=False, needs_full_sort=False, max_top_k=0,
-                             penalties=None, stop_mask=None, num_logprobs=None)
+                             penalties=None, stop_mask=None, num_logprobs=None, token_mask=token_mask)
 
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], positions: list[int],
@@ -83,9 +83,7 @@ class SamplingBatch:
             raise ValueError(f"params, seeds and positions must have one entry per row, got "
                              f"{n}, {len(seeds)}, {len(positions)}")
         if all(p.argmax_only for p in params):
-            batch = SamplingBatch.greedy(n, vocab_size, device)
-            batch.token_mask = token_mask
-            return batch
+            return SamplingBatch.greedy(n, vocab_size, device, token_mask)
         rnd = [i for i, p in enumerate(params) if not p.greedy]
         top_k = [_effective_top_k(params[i].top_k, vocab_size) for i in rnd]
         top_p = [float(params[i].top_p) for i in rnd]

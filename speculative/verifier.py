@@ -53,16 +53,12 @@ class TreeVerifier:
         """One device-to-host copy: the walk's result."""
         rows, tree = proposal.rows, proposal.trees
         width = len(rows[0].offsets)
-        if all(s.params.argmax_only for s in seqs):        # no per-row parameters, histories or positions to build
-            sb = SamplingBatch.greedy(len(seqs) * width, self.vocab_size, logits.device)
-        else:
-            params = [s.params for s in seqs for _ in range(width)]
-            seeds = [s.seed for s in seqs for _ in range(width)]
-            offsets = np.asarray([row.offsets for row in rows], dtype=np.int64)
-            positions = (np.asarray([s.num_tokens for s in seqs], dtype=np.int64)[:, None] + offsets).ravel().tolist()
-            sb = SamplingBatch.build(params, seeds, positions, _PathHistory(seqs, rows, False),
-                                     _PathHistory(seqs, rows, True), self.eos_token_ids, self.vocab_size,
-                                     logits.device)
+        params = [s.params for s in seqs for _ in range(width)]
+        seeds = [s.seed for s in seqs for _ in range(width)]
+        offsets = np.asarray([row.offsets for row in rows], dtype=np.int64)
+        positions = (np.asarray([s.num_tokens for s in seqs], dtype=np.int64)[:, None] + offsets).ravel().tolist()
+        sb = SamplingBatch.build(params, seeds, positions, _PathHistory(seqs, rows, False),
+                                 _PathHistory(seqs, rows, True), self.eos_token_ids, self.vocab_size, logits.device)
         out = self.sampler(logits, sb)
         acc = walk(tree, out.token_ids.view(len(seqs), width).to(tree.tokens.device))
         host = torch.cat([acc.num_emitted[:, None], acc.tokens, acc.path_slots], 1).cpu().numpy()

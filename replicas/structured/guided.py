@@ -2,7 +2,7 @@
 
 Per step (replicas/engine.py, `LLMEngine._run`), for the constrained sequences that sample in it, all on the
 engine's thread:
-  1. `token_mask(seqs, rows, device, broken)`, once the forward is launched: each matcher is synced to its
+  1. `token_mask(seqs, rows, broken)`, once the forward is launched: each matcher is synced to its
      sequence's tokens, the step's bitmask rows are filled into a host buffer and copied to the logits' device
      (from pinned memory, asynchronously, on CUDA); the sampler applies them (replicas/structured/bitmask.py). On
      CUDA `runner.execute` returns once the forward is enqueued, so the fill runs while the device computes; on
@@ -95,10 +95,11 @@ class GuidedDecoding:
         self.mask_steps += 1
         return rows
 
-    def token_mask(self, seqs: Seq["Sequence"], rows: Seq[int], device, broken: list) -> TokenMask:
-        """The bitmask of `seqs` on `device`; `rows` are their rows in the sampler batch, ascending."""
+    def token_mask(self, seqs: Seq["Sequence"], rows: Seq[int], broken: list) -> TokenMask:
+        """The bitmask of `seqs` on the engine's device; `rows` are their rows in the sampler batch, ascending."""
         host = self.fill(seqs, broken)
-        return TokenMask(to_device(np.asarray(rows, dtype=np.int64), device), host.to(device, non_blocking=True),
+        return TokenMask(to_device(np.asarray(rows, dtype=np.int64), self.device),
+                         host.to(self.device, non_blocking=True),
                          leading=rows[-1] == len(rows) - 1)         # ascending: the last is C - 1 iff 0..C-1
 
     def advance(self, seqs: Seq["Sequence"], tokens: Seq[int]) -> list[tuple["Sequence", int]]:

@@ -159,7 +159,7 @@ def test_each_steps_rows_equal_a_fresh_fill_and_a_refused_token_is_reported(llm)
 
         def step(seqs, tokens) -> list:
             broken: list = []
-            mask = guided.token_mask(seqs, list(range(len(seqs))), "cpu", broken)
+            mask = guided.token_mask(seqs, list(range(len(seqs))), broken)
             assert not broken and mask.leading
             for row, seq in enumerate(seqs):
                 assert torch.equal(allowed_tokens(mask.bitmask[row:row + 1], vocab), expected(seq)), seq.request_id
