@@ -54,14 +54,24 @@ def test_slow_consumer_gets_batches_with_the_same_tokens(tmp_path):
 
 
 def test_item_budget_merges_outputs_without_delaying_the_first_or_last(tmp_path):
-    """Two streams and an item budget far longer than the requests: each request's first output goes out at once
-    and everything after it arrives merged by the end, with exactly the per-step deltas (n=2, logprobs)."""
+    """Two streams beside a longer one and an item budget far longer than the requests: each request's first
+    output goes out at once and everything after it arrives merged at its end, with exactly the per-step deltas
+    (n=2, logprobs)."""
     model = make_tiny_llama(str(tmp_path / "m"))
     params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True, logprobs=2)
 
     async def run(engine, streams):
-        return await asyncio.wait_for(asyncio.gather(*(_collect(engine.generate([5, 6, 7], params, f"r{i}"))
-                                                       for i in range(streams))), timeout=120)
+        # the holder runs through every step of the others, however late the engine admits each of them
+        holder = engine.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), "hold")
+        await anext(holder)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(_collect(engine.generate([5, 6, 7], params, f"r{i}"))
+                                                           for i in range(streams))), timeout=120)
+        finally:
+            await holder.aclose()
+
+    async def lone(engine):
+        return await asyncio.wait_for(_collect(engine.generate([5, 6, 7], params, "lone")), timeout=120)
 
     engine = AsyncLLMEngine(EngineConfig(model=model, device="cpu"))
     try:
@@ -71,7 +81,7 @@ def test_item_budget_merges_outputs_without_delaying_the_first_or_last(tmp_path)
     engine = AsyncLLMEngine(EngineConfig.from_flat(model=model, device="cpu", stream_item_ms=600_000.0))
     try:
         merged_pair = asyncio.run(run(engine, 2))
-        (alone,) = asyncio.run(run(engine, 1))             # a lone stream: every step, whatever the budget
+        alone = asyncio.run(lone(engine))                  # a lone stream: every step, whatever the budget
     finally:
         engine.shutdown()
     per_step = per_step_pair[0]
@@ -83,8 +93,8 @@ def test_item_budget_merges_outputs_without_delaying_the_first_or_last(tmp_path)
         return [t for o in picked for t in o.delta_token_ids], "".join(o.delta_text for o in picked), logprobs
 
     for merged, per_step in zip(merged_pair, per_step_pair):
-        # first output, then at most one more while the other stream runs, then the last
-        assert 2 <= len(merged) <= 3 and merged[-1].finished and any(o.delta_token_ids for o in merged[0].outputs)
+        # the first output, then the last
+        assert len(merged) == 2 and merged[-1].finished and any(o.delta_token_ids for o in merged[0].outputs)
         for index in (0, 1):
             ids, text, logprobs = deltas(merged, index)
             want_ids, want_text, want_logprobs = deltas(per_step, index)
