@@ -1,5 +1,5 @@
 """Where a speculative round's draft side spends its time: the context update, the drafter pass, the tree build
-and the tree's host copy (the `draft:*` labels in speculative/speculator.py `Speculator.propose`), per mode.
+and the verify rows (the `draft:*` labels in speculative/speculator.py `Speculator.propose`), per mode.
 
     python -m bench.draft_round [--model PATH] [--modes dominotree,chain,ddtree] [--batch 1] [--nodes 16]
         [--context 256] [--rounds 30] [--device cuda|cpu] [--allow-random-drafter]
@@ -7,8 +7,8 @@ and the tree's host copy (the `draft:*` labels in speculative/speculator.py `Spe
 
 Per mode: an engine with that method (the bundled drafter for SmolLM2 unless --drafter), `--batch` stand-in
 sequences with a `--context`-token drafter context, driven by the start-up profile's own round
-(replicas/spec_profile.draft_round: the previous round's context update, the draft block, the tree, its host
-copy). 5 warm-up rounds; then `--rounds` rounds timed with the device synchronised around each (median
+(speculative/profile.draft_round: the previous round's context update, the draft block, the tree, its verify
+rows). 5 warm-up rounds; then `--rounds` rounds timed with the device synchronised around each (median
 wall ms per round); then the same rounds under torch.profiler: per label the host time per round and, on CUDA,
 the device time of the kernels launched inside it, and the ten kernels with the most device time. Seed 0.
 """
@@ -26,7 +26,7 @@ from replicas import LLM
 from replicas.device import resolve_device
 from speculative.profile import draft_round, median_seconds
 
-LABELS = ("draft:context", "draft:drafter", "draft:tree", "draft:host_copy")
+LABELS = ("draft:context", "draft:drafter", "draft:tree", "draft:rows")
 
 
 def _device_us(evt) -> float:

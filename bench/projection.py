@@ -6,7 +6,7 @@ the target's shape, per batch size b, with the engine the GPU serves:
 
     plain_ms    one plain decode step (the start-up profile's timer, graphed where the engine graphs it)
     verify_ms   the target's forward over b x (1 + nodes) tree tokens
-    draft_ms    the drafting half of a round (context update, drafter pass, tree build, host copy)
+    draft_ms    the drafting half of a round (context update, drafter pass, tree build, verify rows)
     round_ms    the engine's whole round (the median decode-only round at exactly b)
 
 as bench/round_cost.py's `round_cost` measures them.

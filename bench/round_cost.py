@@ -3,7 +3,7 @@
     round_ms    the engine's decode-only step with a draft tree per sequence, end to end as the engine times it
                 for its budget policy (`Proposer.record_round`: scheduling to outputs), median over the run's
                 rounds at exactly that batch size
-    draft_ms    the drafting half alone (context update, drafter pass, tree build, host copy of the tree) and
+    draft_ms    the drafting half alone (context update, drafter pass, tree build, verify rows) and
     verify_ms   the target's forward over b x (1 + n) tree tokens alone (through its CUDA graph where the engine
                 has one), both from the start-up profile's timers (speculative/profile.py), measured after the run
     overhead_ms round_ms - draft_ms - verify_ms: acceptance, the step input, sampling the tree rows, the host read,

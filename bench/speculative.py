@@ -119,7 +119,7 @@ def count_graph_replays(engine) -> list[int]:
 
         def counted(step):
             box[0] += 1
-            box[1] += step.tree_mask is not None
+            box[1] += step.trees is not None
             return replay(step)
         graphs.run = counted
     return box

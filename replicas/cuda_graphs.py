@@ -174,14 +174,14 @@ class StepGraphs:
         b, t = len(step.seq_lens), step.num_tokens
         if b == 0 or b > self.sizes[-1] or step.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
-        if step.tree_mask is None:
+        if step.trees is None:
             if t == b:
                 return self.bucket(b), 1
             if self.mixed_sizes and t <= self.mixed_sizes[-1]:
                 return 0, self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, t)]
             return None
         q = t // b
-        if q * b != t or step.tree_mask.shape != (b, q, q) or np.any(np.diff(step.query_start_loc) != q):
+        if q * b != t or np.any(np.diff(step.query_start_loc) != q):
             return None
         return self.bucket(b), q
 
@@ -210,11 +210,11 @@ class StepGraphs:
         else:
             self.seq_lens[b:size].fill_(q)
             self.block_tables[b:size, :q] = 0  # padded lanes read block 0, never a stale (maybe unmapped) block
-            if q > 1:
-                buf.tree_mask[:b].copy_(torch.from_numpy(np.ascontiguousarray(step.tree_mask)), non_blocking=True)
             pad_to = size * q
         buf.input_ids[:t].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
         buf.positions[:t].copy_(torch.from_numpy(step.positions), non_blocking=True)
+        if step.trees is not None:
+            step.trees.write(step.query_start_loc, buf.input_ids[:t], buf.positions[:t], buf.tree_mask[:b])
         buf.slot_mapping[:t].copy_(torch.from_numpy(step.slot_mapping), non_blocking=True)
         buf.slot_mapping[t:pad_to].fill_(-1)
         self.seq_lens[:b].copy_(torch.from_numpy(step.seq_lens), non_blocking=True)

@@ -34,7 +34,7 @@ from replicas.scheduler import Scheduler
 from replicas.sequence import Sequence
 from replicas.speculation_api import Proposer, VerifiedRound, Verifier, load_speculation
 from replicas.stats import EngineStats, RequestTimings
-from replicas.step_input import StepInput
+from replicas.step_input import StepInput, StepTrees
 from replicas.stream_coalescer import StreamCoalescer
 from replicas.structured.backend import GrammarError
 from replicas.structured.guided import GuidedDecoding
@@ -230,7 +230,7 @@ class LLMEngine:
         num_failed = len(self.failed)
         drafted = [i for i in range(len(batch.seqs)) if batch.num_drafts(i)]
         proposal = spec.propose([batch.seqs[i] for i in drafted], batch.num_drafts(drafted[0])) if drafted else None
-        trees = dict(zip(drafted, proposal.rows)) if drafted else None
+        trees = StepTrees(np.asarray(drafted, dtype=np.int64), proposal.rows) if drafted else None
         step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
                                     spec.aux_layers if spec is not None else ())
         sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]

@@ -301,11 +301,12 @@ class ModelRunner:
         qsl = torch.from_numpy(step.query_start_loc).to(dev, non_blocking=True)
         lens = torch.from_numpy(step.seq_lens).to(dev, non_blocking=True)
         qlens = np.diff(step.query_start_loc)
+        q = int(qlens.max())
         batch = AttentionBatch(
             query_start_loc=qsl, seq_lens=lens,
             block_tables=torch.from_numpy(step.block_tables).to(dev, non_blocking=True),
-            max_query_len=int(qlens.max()), max_seq_len=int(step.seq_lens.max()),
-            tree_mask=None if step.tree_mask is None else torch.from_numpy(step.tree_mask).to(dev))
+            max_query_len=q, max_seq_len=int(step.seq_lens.max()),
+            tree_mask=None if step.trees is None else torch.empty(len(qlens), q, q, dtype=torch.bool, device=dev))
         return ForwardContext(batch, torch.from_numpy(step.slot_mapping).to(dev, non_blocking=True),
                               query_lens_host=qlens.tolist(), seq_lens_host=step.seq_lens.tolist())
 
@@ -317,9 +318,12 @@ class ModelRunner:
             self.last_aux_hidden = [a.clone() for a in aux]       # the next replay overwrites the static outputs
         else:
             ctx = self._context(step)
+            own = step.trees is not None            # the trees are written in: never into the host arrays (CPU)
+            input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True, copy=own)
+            positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True, copy=own)
+            if own:                                 # before the plan, which may read the tree mask
+                step.trees.write(step.query_start_loc, input_ids, positions, ctx.batch.tree_mask)
             self.backend.plan(ctx)
-            input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
-            positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
             with forward_context(ctx):
                 hidden, self.last_aux_hidden = self.model(input_ids, positions, step.aux_layers)
         sample = torch.from_numpy(step.sample_indices).to(self.device, non_blocking=True)

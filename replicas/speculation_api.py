@@ -3,7 +3,7 @@
 A round, as the engine runs it (docs/speculative.md):
 
     proposer.budget(batch size)            draft nodes per decoding sequence this step (0: plain decoding)
-    proposer.propose(seqs, nodes)          one draft tree per sequence -> DraftProposal (the step input's rows)
+    proposer.propose(seqs, nodes)          one draft tree per sequence -> DraftProposal (on the device: no wait)
     runner.execute(step)                   the target verifies every tree in one forward (tree attention mask)
     verifier.verify(seqs, proposal, ...)   the target's choice at every node and the walk -> VerifiedRound
     the engine applies the round itself    emits the tokens, moves the accepted nodes' KV, commits blocks
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence as Seq
 import numpy as np
 from torch import Tensor
 
-from replicas.step_input import TreeRow
+from replicas.step_input import DraftRows
 
 if TYPE_CHECKING:
     from replicas.config import EngineConfig, ModelConfig
@@ -36,9 +36,10 @@ PROVIDER = "speculative.plugin"
 
 @dataclass
 class DraftProposal:
-    """One draft tree per sequence: the rows the step input verifies, and the proposer's own view of the trees
-    (opaque to the engine; handed back to the verifier)."""
-    rows: list[TreeRow]
+    """One draft tree per sequence: the rows the step input verifies (device tensors: proposing enqueues the
+    drafter's work and returns), and the proposer's own view of the trees (opaque to the engine; handed back to
+    the verifier)."""
+    rows: DraftRows
     trees: Any
 
 

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Optional
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from replicas.scheduler import ScheduledBatch
+from replicas.transfer import to_device
 
 
 @dataclass
@@ -18,7 +21,7 @@ class StepInput:
     seq_lens: np.ndarray           # [B] int32
     block_tables: np.ndarray       # [B, max_blocks] int32
     sample_indices: np.ndarray     # [S] int64: token rows whose logits are needed (one per sampling sequence)
-    tree_mask: Optional[np.ndarray] = None
+    trees: Optional["StepTrees"] = None     # the draft trees its speculative rows verify (tensor parallel size 1)
     aux_layers: tuple[int, ...] = ()
 
     @property
@@ -26,21 +29,21 @@ class StepInput:
         return int(self.input_ids.shape[0])
 
     @staticmethod
-    def from_batch(batch: ScheduledBatch, block_size: int, trees: Optional[Mapping[int, "TreeRow"]] = None,
+    def from_batch(batch: ScheduledBatch, block_size: int, trees: Optional["StepTrees"] = None,
                    aux_layers: tuple[int, ...] = ()) -> "StepInput":
-        """trees: batch index -> the draft tree that speculative row verifies ([root, nodes] in the scratch
-        slots root .. root + N of its table, at positions root + depth + 1, every row's logits kept)."""
+        """trees: the draft trees of the speculative rows (trees.index), [root, nodes] in the scratch slots
+        root .. root + N of each table, every row's logits kept; the host arrays hold the root's token and
+        position in each of a tree's slots (`StepTrees.write` puts the rest in on the device)."""
         # Decodes (one new token) are the common row: plain Python scalars, no per-row numpy.
         ids, pos, slots, qsl, lens, sample = [], [], [], [0], [], []
         tables = [seq.block_table for seq in batch.seqs]
+        tree_rows = set(trees.index.tolist()) if trees is not None else ()
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             table = tables[i]
-            if trees and i in trees:
-                row = trees[i]
-                ids.append(seq.token_ids[start])
-                ids.extend(row.tokens)
-                pos.extend(start + o for o in row.offsets)
+            if i in tree_rows:
+                ids.extend([seq.token_ids[start]] * n)
+                pos.extend([start] * n)
                 slots.extend(table[t // block_size] * block_size + t % block_size for t in range(start, start + n))
                 qsl.append(qsl[-1] + n)
                 lens.append(start + n)
@@ -67,8 +70,7 @@ class StepInput:
             input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(pos, dtype=np.int64),
             slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=np.asarray(qsl, dtype=np.int32),
             seq_lens=np.asarray(lens, dtype=np.int32), block_tables=block_tables,
-            sample_indices=np.asarray(sample, dtype=np.int64),
-            tree_mask=_tree_mask(batch, trees) if trees else None, aux_layers=tuple(aux_layers))
+            sample_indices=np.asarray(sample, dtype=np.int64), trees=trees, aux_layers=tuple(aux_layers))
 
 
 def probe_step(num_tokens: int, num_rows: int, block_size: int) -> StepInput:
@@ -87,17 +89,39 @@ def probe_step(num_tokens: int, num_rows: int, block_size: int) -> StepInput:
 
 
 @dataclass
-class TreeRow:
-    tokens: list[int]          # N draft tokens (node order)
-    offsets: list[int]         # 1+N positions relative to the root (root 0, node depth + 1)
-    mask: np.ndarray           # [1+N, 1+N] bool: slot i sees slot j (itself and its ancestors)
+class DraftRows:
+    """K draft trees of N nodes as a verify step reads them, on the device: slot 0 is the root, slot i node i - 1."""
+    tokens: Tensor             # [K, N] long: the draft tokens, in node order
+    offsets: Tensor            # [K, 1+N] long: each slot's position relative to the root (root 0, node depth + 1)
+    mask: Tensor               # [K, 1+N, 1+N] bool: slot i sees slot j (j is i or an ancestor of i)
+
+    @property
+    def width(self) -> int:
+        return self.offsets.shape[1]
 
 
-def _tree_mask(batch: ScheduledBatch, trees: Mapping[int, TreeRow]) -> np.ndarray:
-    """[B, Q, Q] over each row's new tokens: the tree rows' masks, causal for the other rows."""
-    q = max(batch.num_new_tokens)
-    mask = np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (len(batch.seqs), q, q)).copy()
-    for i, row in trees.items():
-        m = row.mask.shape[0]
-        mask[i, :m, :m] = row.mask
-    return mask
+@dataclass
+class StepTrees:
+    """The draft trees a step verifies: batch row index[k] verifies tree k of `rows`. They stay on the device, so
+    building and launching the verify step never waits for the drafter."""
+    index: np.ndarray          # [K] int64: batch rows, ascending
+    rows: DraftRows
+
+    def write(self, query_start_loc: np.ndarray, input_ids: Tensor, positions: Tensor, mask: Tensor) -> None:
+        """Complete a step's device inputs: input_ids and positions [T] as copied from the host (a tree row holds
+        its root's token and position in every slot), mask [B, Q, Q] (any content) becomes the tree masks on the
+        tree rows and causal on the others."""
+        rows, w = self.rows, self.rows.width
+        b = len(query_start_loc) - 1
+        first = query_start_loc[self.index].astype(np.int64)
+        if len(self.index) == b and mask.shape[1] == w and int(query_start_loc[-1]) == b * w:
+            input_ids[:b * w].view(b, w)[:, 1:].copy_(rows.tokens)     # every row a tree: views, no index
+            positions[:b * w].view(b, w).add_(rows.offsets)
+            mask.copy_(rows.mask)
+            return
+        q = mask.shape[1]
+        mask.copy_(torch.ones(q, q, dtype=torch.bool, device=mask.device).tril_().expand(b, q, q))
+        slots = to_device(first[:, None] + np.arange(w), input_ids.device)
+        input_ids[slots[:, 1:]] = rows.tokens
+        positions[slots] += rows.offsets
+        mask[to_device(self.index, mask.device), :w, :w] = rows.mask

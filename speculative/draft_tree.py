@@ -63,13 +63,14 @@ class DraftTree:
         b, n = self.tokens.shape
         up = torch.cat([torch.zeros_like(self.parents[:, :1]),
                         torch.where(self.valid, self.parents + 1, 0)], 1)        # parent slot; root -> root
-        eye = torch.eye(n + 1, dtype=torch.bool, device=up.device)
-        mask = eye.expand(b, n + 1, n + 1).clone()
-        cur = torch.arange(n + 1, device=up.device).expand(b, n + 1)
-        for _ in range(n):
-            cur = up.gather(1, cur)
-            mask.scatter_(2, cur[..., None], True)
-        return mask
+        # the reflexive-transitive closure of the parent links: k squarings of the one-step relation cover paths
+        # of 2^k links, and no slot is more than n links below the root; entries stay 0/1 (exact in any float)
+        reach = torch.zeros(b, n + 1, n + 1, dtype=torch.float32, device=up.device)
+        reach.scatter_(2, up[..., None], 1.0)
+        reach.diagonal(dim1=1, dim2=2).fill_(1.0)
+        for _ in range((n - 1).bit_length()):
+            reach = torch.bmm(reach, reach).clamp_(max=1.0)
+        return reach > 0
 
 
 @dataclass(frozen=True)

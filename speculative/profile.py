@@ -6,8 +6,8 @@ forward over b requests x (1+n) tokens with a tree mask (a chain, same cost as a
 drafter's aux layers and the logits of every row; n = 0 is the plain decode step (graphed when the runner has
 decode graphs). Each request reads a `context_len`-token prefix from block 0 and writes no K/V (slot -1), so
 the cache is untouched. The drafter's cost per batch size is one round's drafting for b sequences: the context
-update of the previous round's root and accepted token, the draft block, the tree build and the host copy of
-the tree. Times are medians of host wall-clock with the device synchronised before and after, i.e. what a round
+update of the previous round's root and accepted token, the draft block, the tree build and the verify rows
+(tokens, position offsets, mask) on the device. Times are medians of host wall-clock with the device synchronised before and after, i.e. what a round
 costs the engine loop.
 
 With the runner's CUDA graphs, verify steps of (bucket, n) up to VERIFY_GRAPH_TOKENS tokens are captured before
@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from replicas.step_input import StepInput
+from replicas.step_input import DraftRows, StepInput, StepTrees
 from speculative.cost_model import AcceptanceProfile, BudgetPolicy, VerifyProfile
 
 # Accepted draft tokens per round assumed at every budget until acceptance is measured (tau = 2): below what
@@ -46,13 +46,20 @@ def verify_step(runner, batch: int, nodes: int, context_len: int, aux_layers: tu
     lens = np.full(batch, context_len + q, dtype=np.int32)
     qsl = np.arange(0, batch * q + 1, q, dtype=np.int32)
     width = -(-(context_len + q) // runner.block_size)
-    tree = np.broadcast_to(np.tril(np.ones((q, q), dtype=bool)), (batch, q, q)).copy() if nodes else None
+    trees = None
+    if nodes:
+        dev = runner.device
+        chain = DraftRows(torch.zeros(batch, nodes, dtype=torch.long, device=dev),
+                          torch.arange(q, device=dev).expand(batch, q).contiguous(),
+                          torch.ones(q, q, dtype=torch.bool, device=dev).tril_().expand(batch, q, q).contiguous())
+        trees = StepTrees(np.arange(batch, dtype=np.int64), chain)
     return StepInput(
-        input_ids=np.zeros(batch * q, np.int64), positions=np.tile(np.arange(context_len, context_len + q), batch),
+        input_ids=np.zeros(batch * q, np.int64),
+        positions=np.full(batch * q, context_len, np.int64) if nodes else np.full(batch, context_len, np.int64),
         slot_mapping=np.full(batch * q, -1, np.int64), query_start_loc=qsl, seq_lens=lens,
         block_tables=np.zeros((batch, width), np.int32),
         sample_indices=np.arange(batch * q, dtype=np.int64) if nodes else qsl[1:].astype(np.int64) - 1,
-        tree_mask=tree, aux_layers=aux_layers)
+        trees=trees, aux_layers=aux_layers)
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
@@ -117,7 +124,7 @@ def _draft_seconds(speculator, batch: int, nodes: int, aux, context_len: int, de
 def draft_round(speculator, batch: int, nodes: int, aux, context_len: int):
     """(round, cleanup): a round's drafting for `batch` stand-in sequences with a context_len-token context each:
     the context update of the previous round (root + PRIOR_ACCEPTED tokens), the draft block, the tree and its
-    host copy; cleanup forgets the stand-ins."""
+    verify rows; cleanup forgets the stand-ins."""
     seqs = [SimpleNamespace(seq_id=-1 - i, last_token_id=0, num_tokens=context_len + 1) for i in range(batch)]
     ids = np.repeat(np.asarray([s.seq_id for s in seqs], np.int64), context_len)
     speculator.observe(aux, np.tile(np.arange(context_len), batch), ids, np.tile(np.arange(context_len), batch))

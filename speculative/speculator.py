@@ -29,7 +29,7 @@ from torch.profiler import record_function
 from replicas.config import EngineConfig, ModelConfig
 from replicas.sequence import Sequence
 from replicas.speculation_api import DraftProposal
-from replicas.step_input import TreeRow
+from replicas.step_input import DraftRows
 from speculative.baselines import METHODS, make_builder
 from replicas.transfer import to_device
 from speculative.context_cache import PagedDraftContext, PendingObservations
@@ -233,9 +233,8 @@ class Speculator:
                 rnd = prepare_round(self.drafter.head, block.hidden, base, roots, self.embed_weight, builder.cfg,
                                     self.gates(builder.cfg))
                 tree = builder.build(rnd)
-        with record_function("draft:host_copy"):
-            rows = tree_rows(tree)
-        return DraftProposal(rows, tree)
+        with record_function("draft:rows"):
+            return DraftProposal(draft_rows(tree), tree)
 
 
 def budget_policy(kind: str, runner, spec: Speculator):
@@ -248,28 +247,6 @@ def budget_policy(kind: str, runner, spec: Speculator):
     return measured_budget_policy(runner, spec)        # captures the tree and verify graphs of its budgets
 
 
-class TreeRows(list):
-    """The step input's TreeRow per request, plus host copies of the tree the verify half reads."""
-
-    def __init__(self, rows: list[TreeRow], parents: np.ndarray, valid: np.ndarray):
-        super().__init__(rows)
-        self.parents, self.valid = parents, valid
-
-
-def tree_rows(tree: DraftTree) -> TreeRows:
-    """Host copies of each request's tree for the step input: one device-to-host copy; the masks are built
-    on the host (the same relation as DraftTree.tree_attention_mask)."""
-    host = torch.stack([tree.tokens, tree.parents, tree.depths, tree.valid.long()]).cpu().numpy()
-    tokens, parents, depths, valid = host[0], host[1], host[2], host[3].astype(bool)
-    b, n = tokens.shape
-    offsets = np.concatenate([np.zeros((b, 1), np.int64), depths + 1], 1)
-    up = np.concatenate([np.zeros((b, 1), np.int64), np.where(valid, parents + 1, 0)], 1)
-    # slot i sees slot j iff j is i or an ancestor: the reflexive-transitive closure of the parent links, by
-    # squaring the one-step relation until paths as long as the deepest slot's are covered (a few small matmuls)
-    reach = np.zeros((b, n + 1, n + 1), np.float32)
-    np.put_along_axis(reach, up[..., None], 1.0, 2)
-    reach[:, np.arange(n + 1), np.arange(n + 1)] = 1.0
-    for _ in range(int(depths.max(initial=0) + 1).bit_length()):
-        reach = np.minimum(reach @ reach, 1.0)
-    masks = reach > 0
-    return TreeRows([TreeRow(tokens[i].tolist(), offsets[i].tolist(), masks[i]) for i in range(b)], parents, valid)
+def draft_rows(tree: DraftTree) -> DraftRows:
+    """What the verify step reads of the trees, computed on their device."""
+    return DraftRows(tree.tokens, tree.position_offsets(), tree.tree_attention_mask())

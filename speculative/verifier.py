@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Sequence as Seq
 
-import numpy as np
 import torch
 
 from replicas.sampler import Sampler
@@ -18,15 +17,16 @@ from replicas.sampling_batch import SamplingBatch
 from replicas.sequence import Sequence
 from replicas.speculation_api import DraftProposal, VerifiedRound
 from speculative.acceptance import walk
-from speculative.speculator import TreeRows
+from speculative.draft_tree import DraftTree
 
 
 class _PathHistory:
-    """Row r = (sequence b, slot s): b's prompt, or b's output followed by the tokens on the path to slot s."""
+    """Row r = (sequence b, slot s): b's prompt, or b's output followed by the tokens on the path to slot s. Only
+    penalties and min_tokens read it (SamplingBatch.build): the trees' one host copy is made then, on first use."""
 
-    def __init__(self, seqs: Seq[Sequence], rows: TreeRows, prompt: bool):
-        self.seqs, self.rows, self.parents, self.prompt = seqs, rows, rows.parents, prompt
-        self.width = len(rows[0].offsets)
+    def __init__(self, seqs: Seq[Sequence], tree: DraftTree, width: int, prompt: bool):
+        self.seqs, self.tree, self.width, self.prompt = seqs, tree, width, prompt
+        self._host = None
 
     def __len__(self) -> int:
         return len(self.seqs) * self.width
@@ -36,10 +36,13 @@ class _PathHistory:
         seq = self.seqs[b]
         if self.prompt:
             return seq.prompt_token_ids
+        if self._host is None:
+            self._host = torch.stack([self.tree.tokens, self.tree.parents]).cpu().numpy()
+        tokens, parents = self._host
         path, node = [], slot - 1
         while node >= 0:
-            path.append(self.rows[b].tokens[node])
-            node = int(self.parents[b, node])
+            path.append(int(tokens[b, node]))
+            node = int(parents[b, node])
         return seq.output_token_ids + path[::-1]
 
 
@@ -50,17 +53,21 @@ class TreeVerifier:
         self.sampler, self.eos_token_ids, self.vocab_size = sampler, eos_token_ids, vocab_size
 
     def verify(self, seqs: Seq[Sequence], proposal: DraftProposal, logits: torch.Tensor) -> VerifiedRound:
-        """One device-to-host copy: the walk's result."""
-        rows, tree = proposal.rows, proposal.trees
-        width = len(rows[0].offsets)
+        """One device-to-host copy: the walk's result (a second, of the trees, for rows with penalties or a
+        min_tokens still ahead)."""
+        tree: DraftTree = proposal.trees
+        width = proposal.rows.width
         params = [s.params for s in seqs for _ in range(width)]
         seeds = [s.seed for s in seqs for _ in range(width)]
-        offsets = np.asarray([row.offsets for row in rows], dtype=np.int64)
-        positions = (np.asarray([s.num_tokens for s in seqs], dtype=np.int64)[:, None] + offsets).ravel().tolist()
-        sb = SamplingBatch.build(params, seeds, positions, _PathHistory(seqs, rows, False),
-                                 _PathHistory(seqs, rows, True), self.eos_token_ids, self.vocab_size, logits.device)
+        roots = [s.num_tokens for s in seqs for _ in range(width)]
+        sb = SamplingBatch.build(params, seeds, roots, _PathHistory(seqs, tree, width, False),
+                                 _PathHistory(seqs, tree, width, True), self.eos_token_ids, self.vocab_size,
+                                 logits.device)
+        if not sb.all_greedy:        # a random row samples the token at root + its slot's offset
+            sb.positions = sb.positions + proposal.rows.offsets.reshape(-1).to(logits.device)[sb.random_rows]
         out = self.sampler(logits, sb)
         acc = walk(tree, out.token_ids.view(len(seqs), width).to(tree.tokens.device))
-        host = torch.cat([acc.num_emitted[:, None], acc.tokens, acc.path_slots], 1).cpu().numpy()
-        return VerifiedRound(num_emitted=host[:, 0], tokens=host[:, 1:1 + width], path_slots=host[:, 1 + width:],
-                             sampled=out, width=width, num_draft_tokens=int(rows.valid.sum()))
+        host = torch.cat([acc.num_emitted[:, None], tree.num_nodes[:, None], acc.tokens, acc.path_slots],
+                         1).cpu().numpy()
+        return VerifiedRound(num_emitted=host[:, 0], tokens=host[:, 2:2 + width], path_slots=host[:, 2 + width:],
+                             sampled=out, width=width, num_draft_tokens=int(host[:, 1].sum()))

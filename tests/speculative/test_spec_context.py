@@ -1,12 +1,12 @@
 """The drafter's cached context: batched, incremental observations equal a full recompute (gaps, cut-backs on
-recompute, pool growth, forgotten sequences), and host-built tree rows equal the device tree's mask."""
+recompute, pool growth, forgotten sequences), and the verify rows' mask lets each slot see exactly its ancestors."""
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from speculative.speculator import Speculator, tree_rows
+from speculative.speculator import Speculator, draft_rows
 from speculative.context_cache import PagedDraftContext
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
@@ -83,11 +83,13 @@ def test_forgotten_pages_are_reused_and_drafting_reads_the_cache():
     assert spec.contexts.positions(8) == [0, 1] and 7 not in spec.contexts.lengths
     seq = SimpleNamespace(seq_id=8, last_token_id=5, num_tokens=3)
     proposal = spec.propose([seq], 8)
-    assert proposal.trees.tokens.shape == (1, 8) and len(proposal.rows) == 1
+    assert proposal.trees.tokens.shape == proposal.rows.tokens.shape == (1, 8) and proposal.rows.width == 9
 
 
-@pytest.mark.parametrize("n", [9, 17])
-def test_tree_rows_match_the_device_tree(n):
+@pytest.mark.parametrize("n", [1, 2, 9, 16, 17])
+def test_verify_rows_follow_the_parent_links(n):
+    """Slot i (node i - 1) sees slot j iff j is i, the root or an ancestor of i, on random trees, a chain as deep
+    as the budget and trees with invalid slots; offsets are depth + 1."""
     g = torch.Generator().manual_seed(3)
     b = 4
     parents = torch.full((b, n), -1)
@@ -96,16 +98,21 @@ def test_tree_rows_match_the_device_tree(n):
         for i in range(1, n):
             parents[r, i] = i - 1 if r == 3 else int(torch.randint(-1, i, (1,), generator=g))   # row 3: a chain
             depths[r, i] = 0 if parents[r, i] < 0 else depths[r, parents[r, i]] + 1
-    valid = torch.arange(n)[None] < torch.tensor([[n], [5], [1], [n]])
+    valid = torch.arange(n)[None] < torch.tensor([[n], [min(n, 5)], [1], [n]])
     tree = DraftTree(torch.randint(0, 50, (b, n), generator=g), torch.where(valid, parents, -1),
                      torch.where(valid, depths, 0), torch.zeros(b, n), valid)
-    rows = tree_rows(tree)
-    masks = tree.tree_attention_mask().numpy()
-    offsets = tree.position_offsets().tolist()
-    for i, row in enumerate(rows):
-        assert row.tokens == tree.tokens[i].tolist() and row.offsets == offsets[i]
-        assert np.array_equal(row.mask, masks[i])
-    assert np.array_equal(rows.parents, tree.parents.numpy()) and np.array_equal(rows.valid, valid.numpy())
+    rows = draft_rows(tree)
+    assert rows.width == n + 1 and torch.equal(rows.tokens, tree.tokens)
+    for r in range(b):
+        want = np.eye(n + 1, dtype=bool)
+        want[:, 0] = True
+        for i in range(n):
+            node = i
+            while node >= 0 and valid[r, i]:
+                want[1 + i, 1 + node] = True
+                node = int(parents[r, node])
+        assert np.array_equal(rows.mask[r].numpy(), want), r
+        assert rows.offsets[r].tolist() == [0] + (tree.depths[r] + 1).tolist()
 
 
 def test_knee_policy_stops_speculating_where_the_verify_forward_leaves_the_knee():

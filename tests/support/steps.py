@@ -1,11 +1,14 @@
 """Step inputs the speculative graph tests feed the model runner directly."""
 import numpy as np
+import torch
 
-from replicas.step_input import StepInput
+from replicas.step_input import DraftRows, StepInput, StepTrees
 
 
-def random_verify_step(aux_layers, b: int, n: int, seed: int = 0, max_prefix: int = 40) -> StepInput:
-    """b requests verifying random trees of n nodes after prefixes of 3..max_prefix tokens, in their own blocks."""
+def random_verify_step(aux_layers, b: int, n: int, seed: int = 0, max_prefix: int = 40,
+                       device="cpu") -> StepInput:
+    """b requests verifying random trees of n nodes after prefixes of 3..max_prefix tokens, in their own blocks
+    (the trees on `device`, the runner's)."""
     rng = np.random.default_rng(seed)
     q = 1 + n
     prefix = rng.integers(3, max_prefix, b)
@@ -22,11 +25,15 @@ def random_verify_step(aux_layers, b: int, n: int, seed: int = 0, max_prefix: in
                 masks[r, 1 + i] |= masks[r, 1 + p]
             offsets[r, 1 + i] = masks[r, 1 + i].sum() - 1
     slots = prefix[:, None] + np.arange(q)
-    return StepInput(input_ids=rng.integers(3, 300, b * q), positions=(prefix[:, None] + offsets).ravel(),
+    tokens = rng.integers(3, 300, (b, q))
+    rows = DraftRows(torch.from_numpy(tokens[:, 1:]).to(device), torch.from_numpy(offsets).to(device),
+                     torch.from_numpy(masks).to(device))
+    return StepInput(input_ids=np.repeat(tokens[:, 0], q), positions=np.repeat(prefix, q).astype(np.int64),
                      slot_mapping=(np.take_along_axis(tables, slots // 16, 1) * 16 + slots % 16).ravel(),
                      query_start_loc=np.arange(0, b * q + 1, q, dtype=np.int32),
                      seq_lens=(prefix + q).astype(np.int32), block_tables=tables,
-                     sample_indices=np.arange(b * q, dtype=np.int64), tree_mask=masks, aux_layers=aux_layers)
+                     sample_indices=np.arange(b * q, dtype=np.int64),
+                     trees=StepTrees(np.arange(b, dtype=np.int64), rows), aux_layers=aux_layers)
 
 
 def decode_step(aux_layers, b: int, first_len: int = 20) -> StepInput:
