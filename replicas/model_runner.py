@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from dataclasses import replace
 from typing import Iterable
 
 import numpy as np
@@ -20,9 +21,9 @@ from replicas.attention.spec import AttentionBatch
 from replicas.config import EngineConfig, ModelConfig
 from replicas.device import resolve_device, resolve_dtype
 from replicas.distributed.communicator import GlooCommunicator, NcclCommunicator, SingleCommunicator
-from replicas.distributed.parallel_state import set_tp_group
+from replicas.distributed.parallel_state import get_tp_group, set_tp_group
 from replicas.models import model_class
-from replicas.step_input import StepInput, probe_step
+from replicas.step_input import DraftRows, StepInput, probe_step
 from replicas.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -230,6 +231,29 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture(self.graph_aux_layers)
 
+    def keep_verify_graphs(self, keep: set[tuple[int, int]]) -> None:
+        """Verify graphs over the aux layers for exactly the (bucket, draft nodes) shapes in `keep`: the missing
+        ones captured, the others released. Rank 0 calls it with `call_all` (a capture runs the collectives)."""
+        if self.graphs is not None:
+            self.graphs.drop_verify(self.graph_aux_layers, keep)
+            self.graphs.capture_verify(self.graph_aux_layers, keep)
+
+    def add_verify_graphs(self, shapes: set[tuple[int, int]]) -> None:
+        """Verify graphs for these shapes too (rank 0 calls it with `call_all`)."""
+        if self.graphs is not None:
+            self.graphs.capture_verify(self.graph_aux_layers, shapes)
+
+    def full_vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole embedding and LM head matrices [V, H], gathered from the vocabulary shards when TP > 1 (every
+        rank calls it: rank 0 with `call_all`): what a drafter that reads the target's embedding and head needs."""
+        model, vocab = self.model, self.model_config.vocab_size
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        if self.world_size == 1:
+            return embed, head
+        tp = get_tp_group()
+        full_embed = tp.all_gather(embed, dim=0)[:vocab]
+        return full_embed, full_embed if head is embed else tp.all_gather(head, dim=0)[:vocab]
+
     def num_kv_blocks_for_budget(self) -> int:
         """Blocks that fit: the configured count, the CPU byte budget, or GPU memory after a profiled peak."""
         if self.config.cache.num_kv_blocks is not None:
@@ -342,10 +366,21 @@ class ModelRunner:
             storage[blocks[1], :, :, offsets[1]] = storage[blocks[0], :, :, offsets[0]]
 
     def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Rank 0: send the step to the other ranks, then run it here."""
+        """Rank 0: send the step to the other ranks, then run it here. Its draft trees (device tensors) follow
+        over the TP group, so no rank waits for the drafter on the host."""
         if self.world_size > 1:
-            dist.broadcast_object_list([step], src=0)
+            trees = step.trees
+            dist.broadcast_object_list([step if trees is None else replace(step, trees=replace(trees, rows=None))],
+                                       src=0)
+            if trees is not None:
+                get_tp_group().broadcast_from_first(trees.rows.packed())
         return self.forward(step)
+
+    def _receive_trees(self, step: StepInput) -> None:
+        """Ranks 1..N-1: the draft trees of a step rank 0 sent (the matching broadcast in `execute`)."""
+        w = step.trees.width(step.query_start_loc)
+        packed = torch.empty(len(step.trees.index), DraftRows.packed_size(w), dtype=torch.long, device=self.device)
+        step.trees.rows = DraftRows.unpacked(get_tp_group().broadcast_from_first(packed), w)
 
     def serve_forever(self) -> None:
         """Ranks 1..N-1: run whatever rank 0 broadcasts until it sends None."""
@@ -359,6 +394,8 @@ class ModelRunner:
             if isinstance(msg, tuple):            # a control call: (method name, args)
                 getattr(self, msg[0])(*msg[1])
                 continue
+            if msg.trees is not None:
+                self._receive_trees(msg)
             self.forward(msg)
         dist.destroy_process_group()
         self.close_kv()

@@ -99,13 +99,31 @@ class DraftRows:
     def width(self) -> int:
         return self.offsets.shape[1]
 
+    def packed(self) -> Tensor:
+        """[K, N + (1+N) + (1+N)^2] long: all three in one tensor, for one collective to the other TP ranks."""
+        k = self.tokens.shape[0]
+        return torch.cat([self.tokens, self.offsets, self.mask.reshape(k, -1).long()], 1)
+
+    @staticmethod
+    def unpacked(packed: Tensor, width: int) -> "DraftRows":
+        n = width - 1
+        return DraftRows(packed[:, :n], packed[:, n:n + width],
+                         packed[:, n + width:].reshape(-1, width, width).bool())
+
+    @staticmethod
+    def packed_size(width: int) -> int:
+        return width - 1 + width + width * width
+
 
 @dataclass
 class StepTrees:
     """The draft trees a step verifies: batch row index[k] verifies tree k of `rows`. They stay on the device, so
     building and launching the verify step never waits for the drafter."""
     index: np.ndarray          # [K] int64: batch rows, ascending
-    rows: DraftRows
+    rows: Optional[DraftRows]  # None in the copy rank 0 pickles to the other ranks (they receive the tensors)
+
+    def width(self, query_start_loc: np.ndarray) -> int:
+        return int(query_start_loc[self.index[0] + 1] - query_start_loc[self.index[0]])
 
     def write(self, query_start_loc: np.ndarray, input_ids: Tensor, positions: Tensor, mask: Tensor) -> None:
         """Complete a step's device inputs: input_ids and positions [T] as copied from the host (a tree row holds

@@ -98,7 +98,7 @@ def measure_verify_profile(runner, speculator, batch_sizes: Sequence[int], node_
             step = verify_step(runner, b, n, context_len, speculator.aux_layers)
             if runner.graphs is not None and runner.graphs.can_run(step):
                 graphed.add((b, n))
-            row[n] = median_seconds(lambda: runner.forward(step).argmax(-1), runner.device, warmup, iters)
+            row[n] = median_seconds(lambda: runner.execute(step).argmax(-1), runner.device, warmup, iters)
         if 0 not in row:
             continue
         step_seconds[b] = row
@@ -164,8 +164,7 @@ def keep_verify_graphs(runner, speculator) -> None:
         if n:
             want.add((graphs.bucket(b), n))
     want &= _candidate_shapes(runner, sorted({n for _, n in want}))
-    graphs.drop_verify(speculator.aux_layers, want)
-    graphs.capture_verify(speculator.aux_layers, want)
+    runner.call_all("keep_verify_graphs", want)
     if runner.device.type == "cuda":
         for n in {n for _, n in want}:
             speculator.graph_builder(n)
@@ -180,7 +179,7 @@ def measured_budget_policy(runner, speculator) -> BudgetPolicy:
     largest = 64 if runner.device.type == "cuda" else CPU_LARGEST_BATCH
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(most, largest)] + ([most] if most < largest else [])
     if runner.graphs is not None:
-        runner.graphs.capture_verify(speculator.aux_layers, _candidate_shapes(runner, budgets))
+        runner.call_all("add_verify_graphs", _candidate_shapes(runner, budgets))
     on_gpu = runner.device.type == "cuda"
     profile = measure_verify_profile(runner, speculator, sorted(set(sizes)), budgets, warmup=2 if on_gpu else 1,
                                      iters=5 if on_gpu else 3)

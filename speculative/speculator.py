@@ -83,9 +83,6 @@ class Speculator:
     def create(config: EngineConfig, model_config: ModelConfig, runner) -> "Speculator":
         if config.speculative.method not in METHODS:
             raise ValueError(f"speculative={config.speculative.method!r}: choose one of {sorted(METHODS)}")
-        if runner.world_size > 1:
-            raise ValueError("speculative decoding needs tensor_parallel_size=1 (the drafter reads the full "
-                             "embedding and LM head on rank 0)")
         from speculative.drafters import bundled_drafter
         path = config.speculative.drafter or bundled_drafter(model_config)
         if path is not None:
@@ -99,11 +96,11 @@ class Speculator:
                              "checkpoint>")
         if drafter.cfg.vocab_size != model_config.vocab_size or drafter.cfg.hidden_size != model_config.hidden_size:
             raise ValueError("the drafter was trained for another target (vocab or hidden size differs)")
-        model = runner.model
-        spec = Speculator(drafter, config.speculative.method, config.speculative.budget,
-                          model.model.embed_tokens.weight, model.lm_head.weight, model_config.vocab_size,
-                          config.scheduling.max_num_seqs)
-        runner.capture_aux_graphs(spec.aux_layers)          # CUDA only: plain decode steps stay graphed
+        # rank 0 drafts for the whole group: at TP > 1 it holds a full copy of the embedding and LM head
+        embed, head = runner.call_all("full_vocab_weights")
+        spec = Speculator(drafter, config.speculative.method, config.speculative.budget, embed, head,
+                          model_config.vocab_size, config.scheduling.max_num_seqs)
+        runner.call_all("capture_aux_graphs", spec.aux_layers)    # CUDA only: plain decode steps stay graphed
         if spec.max_budget > 0:
             spec.use_policy(budget_policy(config.speculative.policy, runner, spec), runner)
         return spec

@@ -18,6 +18,7 @@ class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
     def gather_to_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None: ...
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class SingleCommunicator:
@@ -30,6 +31,9 @@ class SingleCommunicator:
         return x
 
     def gather_to_first(self, x, dim=-1):
+        return x
+
+    def broadcast_from_first(self, x):
         return x
 
 
@@ -53,6 +57,11 @@ class GlooCommunicator:
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(x.contiguous(), parts, dst=0)
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
+
+    def broadcast_from_first(self, x):
+        """x (contiguous) takes rank 0's values on every rank, in place."""
+        dist.broadcast(x, src=0)
+        return x
 
 
 class NcclCommunicator:
@@ -85,3 +94,10 @@ class NcclCommunicator:
     def gather_to_first(self, x, dim=-1):
         full = self.all_gather(x, dim)
         return full if self.rank == 0 else None
+
+    def broadcast_from_first(self, x):
+        """x (contiguous, an integer or float dtype NCCL sums) takes rank 0's values on every rank, in place: the
+        sum of rank 0's values and the others' zeros, through the all-reduce this class already runs."""
+        if self.rank != 0:
+            x.zero_()
+        return self.all_reduce(x)

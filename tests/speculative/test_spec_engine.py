@@ -114,6 +114,27 @@ def test_perfect_drafter_accepts_runs_and_keeps_greedy(tiny, monkeypatch, decoy)
     assert sum(s.spec_accepted_by_position) == s.spec_accepted_tokens
 
 
+def test_two_gloo_ranks_verify_rank_zeros_trees(tiny, monkeypatch):
+    """TP=2: rank 0 drafts with the gathered embedding and head, the trees reach the other rank over the TP group,
+    both ranks compact the accepted K/V; greedy output equals plain TP=1 under the near-tie rule."""
+    folder, hf, plain = tiny
+    prompts = prompts_for(hf.config.vocab_size, seed=1)
+    want = generate_ids(plain, prompts, GREEDY)
+    perfect_propose(monkeypatch, {tuple(p): p + w for p, w in zip(prompts, want)}, decoy=True)
+    llm = spec_llm(folder, spec_budget=6, tensor_parallel_size=2)
+    try:
+        spec = llm.engine.speculator
+        assert spec.embed_weight.shape == (hf.config.vocab_size, hf.config.hidden_size)
+        torch.testing.assert_close(spec.lm_head_weight, hf.lm_head.weight)
+        got = generate_ids(llm, prompts, GREEDY)
+        s = llm.engine.get_stats()
+        assert llm.engine.block_manager.num_used_blocks == 0
+    finally:
+        llm.shutdown()
+    compare_greedy(prompts, got, want, last_logits_fn(hf))
+    assert s.spec_accepted_tokens / s.spec_drafts > 1
+
+
 def test_stops_inside_an_accepted_run_match_plain(tiny, monkeypatch):
     folder, hf, plain = tiny
     prompts = prompts_for(hf.config.vocab_size, seed=2)[:4]
