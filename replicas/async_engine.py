@@ -22,7 +22,7 @@ from replicas.distributed.launch import ProcessLauncher, WorkerLauncher, free_po
 from replicas.engine_core import run_engine_core
 from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, ClientMessage, CoreDied,
                                       DrainFinishedTimings, EngineCall, EngineInfo, GetStats, Outputs, Prompt,
-                                      Ready, Reconfigure, Reply, RequestFailed, Shutdown)
+                                      Ready, Reconfigure, Reply, RequestFailed, Shutdown, decode_core_message)
 from replicas.outputs import RequestOutput
 from replicas.request import EngineStepError, RequestError, check_logit_bias, check_params, check_prompt
 from replicas.sampling_params import SamplingParams
@@ -106,7 +106,7 @@ class AsyncLLMEngine:
             self._proc.kill()
             raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S:.0f} s")
         try:
-            msg = self._from_core.recv()
+            msg = decode_core_message(self._from_core.recv_bytes())
         except EOFError:
             self._proc.join(5)
             raise RuntimeError(f"the engine core exited while starting (exit code {self._proc.exitcode})") from None
@@ -124,7 +124,7 @@ class AsyncLLMEngine:
     def _read(self) -> None:
         try:
             while True:
-                match self._from_core.recv():
+                match decode_core_message(self._from_core.recv_bytes()):
                     case Outputs(outputs=outputs):
                         self._publish([(out.request_id, self._with_prompt(out)) for out in outputs])
                     case RequestFailed(request_id=rid, error=error):

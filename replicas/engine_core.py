@@ -5,7 +5,8 @@ that work share one GIL: every engine step delays the token stream, and every st
 step (bench.serve_overhead measures what that costs). Here the loop owns its interpreter; the serving process
 (`replicas.async_engine.AsyncLLMEngine`) only sends requests and fans the step outputs out to its streams.
 
-Messages (replicas/engine_messages.py), one class per kind, pickled over the pipes:
+Messages (replicas/engine_messages.py), one class per kind; client -> core pickled, core -> client as
+`encode_core_message` bytes (a step's Outputs as msgpack):
   client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
   core -> client:  Ready(EngineInfo) | Outputs([RequestOutput]) | RequestFailed(request_id, error) |
                    Reply(call_id, ok, value) | CoreDied(reason)
@@ -34,7 +35,7 @@ from replicas.config import EngineConfig
 from replicas.distributed.launch import LaunchedRanks
 from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, ClientMessage, CoreDied,
                                       DrainFinishedTimings, EngineInfo, GetStats, Outputs, Prompt, Ready,
-                                      Reconfigure, Reply, RequestFailed, Shutdown)
+                                      Reconfigure, Reply, RequestFailed, Shutdown, encode_core_message)
 from replicas.outputs import RequestOutput
 
 __all__ = ["ChatPrompt", "EngineCore", "EngineInfo", "IDLE_BEAT_S", "Prompt", "portable_error", "run_engine_core"]
@@ -86,9 +87,12 @@ class EngineCore:
                 outputs = engine.step()
                 self.beat()
                 if outputs:
-                    self.outputs.send(Outputs(self.compact(outputs)))
+                    self.send(Outputs(self.compact(outputs)))
             for rid, error in engine.take_failed():
-                self.outputs.send(RequestFailed(rid, portable_error(error)))
+                self.send(RequestFailed(rid, portable_error(error)))
+
+    def send(self, msg) -> None:
+        self.outputs.send_bytes(encode_core_message(msg))
 
     def handle(self, msg: ClientMessage) -> None:
         match msg:
@@ -115,13 +119,13 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - one request's failure is that request's, never the core's
             if not isinstance(e, ValueError):
                 log.error("request %s could not be added", msg.request_id, exc_info=True)
-            self.outputs.send(RequestFailed(msg.request_id, portable_error(e)))
+            self.send(RequestFailed(msg.request_id, portable_error(e)))
 
     def answer(self, call_id: int, call) -> None:
         try:
-            self.outputs.send(Reply(call_id, True, call()))
+            self.send(Reply(call_id, True, call()))
         except Exception as e:  # noqa: BLE001 - a failed call (or an unpicklable value) is the caller's error
-            self.outputs.send(Reply(call_id, False, portable_error(e)))
+            self.send(Reply(call_id, False, portable_error(e)))
 
     @staticmethod
     def compact(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -145,9 +149,8 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         core = EngineCore(engine, inputs, outputs, heartbeat)
         core.beat()
         bm = engine.block_manager
-        outputs.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
-                                      bm.num_base * bm.block_size,
-                                      engine.elastic is not None)))
+        core.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
+                                   bm.num_base * bm.block_size, engine.elastic is not None)))
         core.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("the serving process went away; the engine core stops")
@@ -155,7 +158,7 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         exit_code = 1
         log.error("engine core died", exc_info=True)
         try:
-            outputs.send(CoreDied(f"{type(e).__name__}: {e}"))
+            outputs.send_bytes(encode_core_message(CoreDied(f"{type(e).__name__}: {e}")))
         except OSError:
             pass
     finally:

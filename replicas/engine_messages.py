@@ -1,14 +1,18 @@
-"""The messages between AsyncLLMEngine and its engine core process (replicas/engine_core.py): one class per kind,
-pickled over the two pipes. The core dispatches on the message's type. Prompts cross as token ids: the client
-tokenizes (and applies chat templates), so the core's step loop never does.
+"""The messages between AsyncLLMEngine and its engine core process (replicas/engine_core.py): one class per kind.
+The core dispatches on the message's type. Prompts cross as token ids: the client tokenizes (and applies chat
+templates), so the core's step loop never does. Client -> core messages are pickled (`Connection.send`); core ->
+client messages go as bytes (`encode_core_message`): Outputs, the one message of every step, as msgpack.
 
 client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
 core -> client:  Ready (once, first) | Outputs | RequestFailed | Reply (one per call) | CoreDied (last)
 """
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Optional, Union
+
+import msgspec
 
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParams
@@ -84,9 +88,8 @@ class Ready:
     info: EngineInfo
 
 
-@dataclass(frozen=True, slots=True)
-class Outputs:
-    """One engine step's outputs. A request's prompt ids travel with its first output only."""
+class Outputs(msgspec.Struct, array_like=True, gc=False):
+    """One engine step's outputs (without their prompts: the client has them)."""
     outputs: list[RequestOutput]
 
 
@@ -109,3 +112,26 @@ class CoreDied:
 
 
 CoreMessage = Union[Ready, Outputs, RequestFailed, Reply, CoreDied]
+
+
+_PICKLED, _OUTPUTS = 0, 1
+_encoder = msgspec.msgpack.Encoder()
+_outputs_decoder = msgspec.msgpack.Decoder(Outputs)
+
+
+def encode_core_message(msg: CoreMessage) -> bytearray:
+    """A core -> client message as the bytes `decode_core_message` reads: a kind byte, then Outputs as msgpack
+    (msgspec builds and loads it at a fraction of pickle's cost, on the core's step loop and on the serving
+    process's GIL) or any other message pickled (they are rare, and carry exceptions and call results)."""
+    if type(msg) is Outputs:
+        buf = bytearray((_OUTPUTS,))
+        _encoder.encode_into(msg, buf, 1)
+        return buf
+    buf = bytearray((_PICKLED,))
+    buf += pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return buf
+
+
+def decode_core_message(data: bytes) -> CoreMessage:
+    body = memoryview(data)[1:]
+    return _outputs_decoder.decode(body) if data[0] == _OUTPUTS else pickle.loads(body)

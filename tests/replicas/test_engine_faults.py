@@ -20,7 +20,7 @@ from replicas.async_engine import (AsyncLLMEngine, ChatPrompt, EngineDeadError, 
                                    RequestTimeout)
 from replicas.engine import LLMEngine
 from replicas.engine_core import EngineCore
-from replicas.engine_messages import AddRequest, Outputs, RequestFailed, Shutdown
+from replicas.engine_messages import AddRequest, Outputs, RequestFailed, Shutdown, decode_core_message
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT_B = [11, 12, 13, 14, 15, 16, 17]
@@ -140,7 +140,7 @@ def test_a_core_answers_failing_requests_and_keeps_serving(engine, monkeypatch):
 
     def receive():
         assert from_core.poll(30)
-        return from_core.recv()
+        return decode_core_message(from_core.recv_bytes())
     try:
         to_core.send(AddRequest("odd", [5, 6, 7], GREEDY))
         msg = receive()
