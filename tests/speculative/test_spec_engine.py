@@ -114,14 +114,23 @@ def test_perfect_drafter_accepts_runs_and_keeps_greedy(tiny, monkeypatch, decoy)
     assert sum(s.spec_accepted_by_position) == s.spec_accepted_tokens
 
 
-def test_two_gloo_ranks_verify_rank_zeros_trees(tiny, monkeypatch):
-    """TP=2: rank 0 drafts with the gathered embedding and head, the trees reach the other rank over the TP group,
-    both ranks compact the accepted K/V; greedy output equals plain TP=1 under the near-tie rule."""
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gloo_ranks_verify_rank_zeros_trees(tiny, monkeypatch, tmp_path, tp):
+    """TP=2 and 4: rank 0 drafts with the gathered embedding and head, the trees reach the other ranks over the TP
+    group, every rank compacts the accepted K/V; greedy output equals plain TP=1 under the near-tie rule."""
     folder, hf, plain = tiny
+    if tp == 4:                                   # one KV head per rank
+        folder = make_tiny_llama(str(tmp_path / "tp4"), num_attention_heads=8, num_key_value_heads=4)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        plain = LLM(model=folder, **ENGINE)
     prompts = prompts_for(hf.config.vocab_size, seed=1)
-    want = generate_ids(plain, prompts, GREEDY)
+    try:
+        want = generate_ids(plain, prompts, GREEDY)
+    finally:
+        if tp == 4:
+            plain.shutdown()
     perfect_propose(monkeypatch, {tuple(p): p + w for p, w in zip(prompts, want)}, decoy=True)
-    llm = spec_llm(folder, spec_budget=6, tensor_parallel_size=2)
+    llm = spec_llm(folder, spec_budget=6, tensor_parallel_size=tp)
     try:
         spec = llm.engine.speculator
         assert spec.embed_weight.shape == (hf.config.vocab_size, hf.config.hidden_size)
