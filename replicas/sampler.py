@@ -115,6 +115,13 @@ def gumbel_noise(keys: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return counter_uniforms(keys, codes).log_().neg_().log_().neg_()
 
 
+def first_max_index(x: torch.Tensor) -> torch.Tensor:
+    """Per row of x [R, V], the index of its first maximum (argmax's contract, NaN counting as the maximum). On the
+    CPU through `max(dim)`, whose reduction is vectorized where argmax's is not: several times faster over a
+    vocabulary."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
 class Sampler(nn.Module):
     def __init__(self):
         super().__init__()
@@ -137,11 +144,11 @@ class Sampler(nn.Module):
             apply_token_bitmask_(logits, batch.token_mask)
 
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = first_max_index(logits)
         elif batch.all_random:
             token_ids = self._sample(logits, batch)
         else:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = first_max_index(logits)
             sampled = self._sample(logits.index_select(0, batch.random_rows), batch)
             token_ids = token_ids.index_copy(0, batch.random_rows, sampled)
 
@@ -164,7 +171,7 @@ class Sampler(nn.Module):
             logits = logits.masked_fill(logits < cut, float("-inf"))
         noise = gumbel_noise(row_keys(batch.seed_lo, batch.seed_hi, batch.positions),
                              self._vocab_codes(logits.shape[-1], logits.device))
-        return noise.add_(logits).argmax(dim=-1)
+        return first_max_index(noise.add_(logits))
 
     def _vocab_codes(self, vocab_size: int, device) -> torch.Tensor:
         codes = self._codes

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.sampler import Sampler, apply_penalties, counter_uniforms, mix32, row_keys, vocab_codes
+from replicas.sampler import (Sampler, apply_penalties, counter_uniforms, first_max_index, mix32, row_keys,
+                              vocab_codes)
 from replicas.sampling_batch import SamplingBatch
 from replicas.sampling_params import SamplingParams
 from replicas.structured.bitmask import TokenMask, allowed_tokens, apply_token_bitmask_, pack_allowed
@@ -65,6 +66,19 @@ def test_uniforms_match_reference_for_any_seed():
 
 
 # ---------------------------------------------------------------- greedy and reproducibility
+
+def test_first_max_index_is_argmax_on_ties_infinities_and_nan():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 49152, generator=g)
+    x[0, [7, 30000]] = 9.0                                   # a tie: the first
+    x[1] = 0.0                                               # all equal: 0
+    x[2] = float("-inf")                                     # nothing allowed (a fully masked row): 0
+    x[3, 40000:] = float("inf")
+    x[4, [11, 20]] = float("nan")                            # NaN wins, the first one
+    x[5, -1] = 50.0
+    assert torch.equal(first_max_index(x), x.argmax(-1))
+    assert first_max_index(x).tolist() == [7, 0, 0, 40000, 11, 49151]
+
 
 def test_greedy_is_argmax_and_skips_everything_random():
     logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
