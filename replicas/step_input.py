@@ -1,4 +1,5 @@
-"""The per-step model input: built on rank 0 from the scheduled batch, sent as-is to the other ranks."""
+"""The per-step model input: built on rank 0 from the scheduled batch and sent to the other ranks (its draft trees,
+device tensors, apart: ModelRunner.execute)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ class StepInput:
     seq_lens: np.ndarray           # [B] int32
     block_tables: np.ndarray       # [B, max_blocks] int32
     sample_indices: np.ndarray     # [S] int64: token rows whose logits are needed (one per sampling sequence)
-    trees: Optional["StepTrees"] = None     # the draft trees its speculative rows verify (tensor parallel size 1)
+    trees: Optional["StepTrees"] = None     # the draft trees its speculative rows verify
     aux_layers: tuple[int, ...] = ()
 
     @property
@@ -131,7 +132,6 @@ class StepTrees:
         tree rows and causal on the others."""
         rows, w = self.rows, self.rows.width
         b = len(query_start_loc) - 1
-        first = query_start_loc[self.index].astype(np.int64)
         if len(self.index) == b and mask.shape[1] == w and int(query_start_loc[-1]) == b * w:
             input_ids[:b * w].view(b, w)[:, 1:].copy_(rows.tokens)     # every row a tree: views, no index
             positions[:b * w].view(b, w).add_(rows.offsets)
@@ -139,6 +139,7 @@ class StepTrees:
             return
         q = mask.shape[1]
         mask.copy_(torch.ones(q, q, dtype=torch.bool, device=mask.device).tril_().expand(b, q, q))
+        first = query_start_loc[self.index].astype(np.int64)
         slots = to_device(first[:, None] + np.arange(w), input_ids.device)
         input_ids[slots[:, 1:]] = rows.tokens
         positions[slots] += rows.offsets

@@ -7,8 +7,8 @@ drafter's aux layers and the logits of every row; n = 0 is the plain decode step
 decode graphs). Each request reads a `context_len`-token prefix from block 0 and writes no K/V (slot -1), so
 the cache is untouched. The drafter's cost per batch size is one round's drafting for b sequences: the context
 update of the previous round's root and accepted token, the draft block, the tree build and the verify rows
-(tokens, position offsets, mask) on the device. Times are medians of host wall-clock with the device synchronised before and after, i.e. what a round
-costs the engine loop.
+(tokens, position offsets, mask) on the device. Times are medians of host wall-clock with the device
+synchronised before and after, i.e. what a round costs the engine loop.
 
 With the runner's CUDA graphs, verify steps of (bucket, n) up to VERIFY_GRAPH_TOKENS tokens are captured before
 they are timed, so the policy weighs what the engine will replay; once the policy is chosen, only the verify

@@ -56,7 +56,8 @@ def test_graphed_aux_and_verify_steps_equal_eager(folder):
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
         graphs.capture_verify(spec.aux_layers, {(4, 3), (16, 8), (32, 4)})
         for b, n in ((3, 3), (4, 3), (11, 8), (16, 8), (29, 4)):
-            eager, eager_aux, graphed, graphed_aux = eager_and_graphed(runner, random_verify_step(spec.aux_layers, b, n, b, max_prefix=60, device="cuda"))
+            step = random_verify_step(spec.aux_layers, b, n, b, max_prefix=60, device="cuda")
+            eager, eager_aux, graphed, graphed_aux = eager_and_graphed(runner, step)
             assert graphed.shape == (b * (1 + n), llm.engine.model_config.vocab_size)
             torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
             for g, e in zip(graphed_aux, eager_aux):
