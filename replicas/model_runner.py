@@ -236,7 +236,7 @@ class ModelRunner:
         ones captured, the others released. Rank 0 calls it with `call_all` (a capture runs the collectives)."""
         if self.graphs is not None:
             self.graphs.drop_verify(self.graph_aux_layers, keep)
-            self.graphs.capture_verify(self.graph_aux_layers, keep)
+            self.add_verify_graphs(keep)
 
     def add_verify_graphs(self, shapes: set[tuple[int, int]]) -> None:
         """Verify graphs for these shapes too (rank 0 calls it with `call_all`)."""

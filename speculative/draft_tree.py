@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from replicas.step_input import DraftRows
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -56,6 +58,10 @@ class DraftTree:
     def position_offsets(self) -> Tensor:
         """[B, 1+N]: position of each verify slot relative to the root (root 0, node depth+1)."""
         return torch.cat([torch.zeros_like(self.depths[:, :1]), self.depths + 1], 1)
+
+    def verify_rows(self) -> DraftRows:
+        """What the verify step reads of the trees (replicas.step_input.DraftRows), computed on their device."""
+        return DraftRows(self.tokens, self.position_offsets(), self.tree_attention_mask())
 
     def tree_attention_mask(self) -> Tensor:
         """[B, 1+N, 1+N] bool: slot i may see slot j iff j is i or an ancestor of i (the root is everyone's).

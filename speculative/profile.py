@@ -24,8 +24,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from replicas.step_input import DraftRows, StepInput, StepTrees
+from replicas.step_input import StepInput, StepTrees
 from speculative.cost_model import AcceptanceProfile, BudgetPolicy, VerifyProfile
+from speculative.draft_tree import DraftTree
 
 # Accepted draft tokens per round assumed at every budget until acceptance is measured (tau = 2): below what
 # trained block drafters reach, so the policy stays conservative. Flat in n, so the policy picks the cheapest
@@ -48,11 +49,10 @@ def verify_step(runner, batch: int, nodes: int, context_len: int, aux_layers: tu
     width = -(-(context_len + q) // runner.block_size)
     trees = None
     if nodes:
-        dev = runner.device
-        chain = DraftRows(torch.zeros(batch, nodes, dtype=torch.long, device=dev),
-                          torch.arange(q, device=dev).expand(batch, q).contiguous(),
-                          torch.ones(q, q, dtype=torch.bool, device=dev).tril_().expand(batch, q, q).contiguous())
-        trees = StepTrees(np.arange(batch, dtype=np.int64), chain)
+        depths = torch.arange(nodes, device=runner.device).expand(batch, nodes)
+        chain = DraftTree(torch.zeros_like(depths), depths - 1, depths, torch.zeros(depths.shape, device=depths.device),
+                          torch.ones_like(depths, dtype=torch.bool))
+        trees = StepTrees(np.arange(batch, dtype=np.int64), chain.verify_rows())
     return StepInput(
         input_ids=np.zeros(batch * q, np.int64),
         positions=np.full(batch * q, context_len, np.int64) if nodes else np.full(batch, context_len, np.int64),

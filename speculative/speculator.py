@@ -29,7 +29,6 @@ from torch.profiler import record_function
 from replicas.config import EngineConfig, ModelConfig
 from replicas.sequence import Sequence
 from replicas.speculation_api import DraftProposal
-from replicas.step_input import DraftRows
 from speculative.baselines import METHODS, make_builder
 from replicas.transfer import to_device
 from speculative.context_cache import PagedDraftContext, PendingObservations
@@ -38,7 +37,6 @@ from speculative.cost_model import FixedBudgetPolicy, KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.drafters.loading import load_drafter
 from speculative.drafter_graphs import DrafterGraphs, graphs_enabled, static_draft_enabled
-from speculative.draft_tree import DraftTree
 from speculative.tree import gate_table, prepare_round
 from speculative.tree_gpu import GraphTreeBuilder
 
@@ -231,7 +229,7 @@ class Speculator:
                                     self.gates(builder.cfg))
                 tree = builder.build(rnd)
         with record_function("draft:rows"):
-            return DraftProposal(draft_rows(tree), tree)
+            return DraftProposal(tree.verify_rows(), tree)
 
 
 def budget_policy(kind: str, runner, spec: Speculator):
@@ -242,8 +240,3 @@ def budget_policy(kind: str, runner, spec: Speculator):
         return KneeBudgetPolicy(spec.max_budget)
     from speculative.profile import measured_budget_policy
     return measured_budget_policy(runner, spec)        # captures the tree and verify graphs of its budgets
-
-
-def draft_rows(tree: DraftTree) -> DraftRows:
-    """What the verify step reads of the trees, computed on their device."""
-    return DraftRows(tree.tokens, tree.position_offsets(), tree.tree_attention_mask())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from speculative.speculator import Speculator, draft_rows
+from speculative.speculator import Speculator
 from speculative.context_cache import PagedDraftContext
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
@@ -101,7 +101,7 @@ def test_verify_rows_follow_the_parent_links(n):
     valid = torch.arange(n)[None] < torch.tensor([[n], [min(n, 5)], [1], [n]])
     tree = DraftTree(torch.randint(0, 50, (b, n), generator=g), torch.where(valid, parents, -1),
                      torch.where(valid, depths, 0), torch.zeros(b, n), valid)
-    rows = draft_rows(tree)
+    rows = tree.verify_rows()
     assert rows.width == n + 1 and torch.equal(rows.tokens, tree.tokens)
     for r in range(b):
         want = np.eye(n + 1, dtype=bool)

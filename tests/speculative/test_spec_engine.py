@@ -11,7 +11,7 @@ from tests.support.checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
 from replicas.config import ModelConfig
 from replicas.speculation_api import DraftProposal
-from speculative.speculator import Speculator, draft_rows
+from speculative.speculator import Speculator
 from speculative.cost_model import KneeBudgetPolicy
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.draft_tree import DraftTree
@@ -74,7 +74,7 @@ def perfect_propose(monkeypatch, reference: dict, decoy: bool = True):
         valid = t[3].bool()
         tree = DraftTree(t[0].long(), torch.where(valid, t[1], -1).long(), torch.where(valid, t[2], 0).long(),
                          torch.where(valid, 0.0, float("-inf")), valid)
-        return DraftProposal(draft_rows(tree), tree)
+        return DraftProposal(tree.verify_rows(), tree)
     monkeypatch.setattr(Speculator, "propose", propose)
 
 
@@ -209,7 +209,7 @@ def test_sampling_is_seeded_and_follows_the_target(tiny, monkeypatch):
         valid = torch.tensor([[i < 2 for i in range(n)]] * len(seqs))
         tree = DraftTree(torch.tensor(toks), torch.full((len(seqs), n), -1), torch.zeros(len(seqs), n).long(),
                          torch.where(valid, 0.0, float("-inf")), valid)
-        return DraftProposal(draft_rows(tree), tree)
+        return DraftProposal(tree.verify_rows(), tree)
     monkeypatch.setattr(Speculator, "propose", propose)
     llm = spec_llm(folder, spec_budget=4, max_num_seqs=256, max_num_batched_tokens=4096)
     llm.engine.speculator.policy = KneeBudgetPolicy(4, knee_tokens=1 << 30)    # speculate at batch 256 too
