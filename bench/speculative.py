@@ -4,7 +4,7 @@ plain decoding, the GPU tree builder's cost per round, and its bit-identity with
     python -m bench.speculative [--model PATH] [--drafter DIR] [--prompts bench/data/sharegpt_heldout.json]
         [--num-prompts 32] [--num-prompts-b1 8] [--max-tokens 128] [--modes chain,ddtree,dominotree]
         [--batches 1,8,32] [--temps 0,1] [--device auto] [--force-budget 16] [--min-cell-seconds 5] [--repeats 2]
-        [--min-rounds 16] [--projection llama3-8b] [--tie 0.25] [--out bench/results/speculative.json]
+        [--min-rounds 16] [--projection llama3-8b] [--tie 0.25] [--out bench/results/speculative.json] [--update]
     python -m bench.speculative --export-prompts bench/data/sharegpt_heldout.json --split heldout --limit 256
 
 Workload: ShareGPT first human turns (held-out split), chat-formatted with one user turn like the drafter's
@@ -21,6 +21,10 @@ Each mode's `engine.speculative.<mode>.policy` is what its budget policy saw at 
 batch size and nodes, graphed or not) and why it chose each budget; tau is null when it chose 0 at every batch
 size run. `--force-budget N` then reruns every (temperature, batch) with N nodes at every batch size, bypassing
 the policy: `<mode>.forced` holds that tau, acceptance by position and speed, apart from the policy-driven figures.
+
+`--update` measures only --modes and keeps the other modes' sections of an existing --out as they are, each
+stamped with the provenance of the run that measured it (`<mode>.measured_by`) and listed in `kept_modes`: their
+ratios stay against the plain engine of their own run. A GPU call can then re-measure one mode at a time.
 
 Greedy agreement (`outputs_equal_plain`, T=0): the share of requests whose tokens equal plain decoding's, or
 first differ where plain's top-2 logits are within --tie of each other (the near-tie rule of
@@ -432,6 +436,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tie", type=float, default=d.tie,
                    help="near-tie logit gap for greedy agreement (default: 1e-3 float32 engines, 0.25 otherwise)")
     p.add_argument("--out", default=d.out)
+    p.add_argument("--update", action="store_true",
+                   help="keep the sections of modes not in --modes from the existing --out (each with its provenance)")
     p.add_argument("--export-prompts", metavar="PATH", help="write --limit prompts of --split to PATH and exit")
     p.add_argument("--limit", type=int, default=256)
     return p.parse_args(argv)
@@ -456,6 +462,23 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         tie=args.tie, out=args.out)
 
 
+def keep_other_modes(report: dict, out: str, modes: tuple[str, ...]) -> None:
+    """--update: the sections of the modes not measured now, from the JSON already at `out`, stamped with the
+    provenance of the run that measured them."""
+    if not os.path.exists(out):
+        return
+    with open(out, encoding="utf-8") as f:
+        old = json.load(f)
+    kept = [m for m in ("dominotree", "chain", "ddtree") if m not in modes and m in old]
+    for m in kept:
+        report[m] = {**old[m], "measured_by": old[m].get("measured_by") or old.get("provenance")}
+        engine = old.get("engine", {}).get("speculative", {}).get(m)
+        if engine is not None:
+            report["engine"]["speculative"][m] = engine
+    if kept:
+        report["kept_modes"] = kept
+
+
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:
     args = parse_args(argv)
     if args.export_prompts:
@@ -470,6 +493,8 @@ def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:
         "bench.speculative", argv, result.report["engine"]["plain"]["device"], cfg.seed,
         warm_up=f"{cfg.warmup} requests per temperature and engine before its runs",
         counted="generated tokens over each run's wall time (prefill included); rounds as the engine times them")
+    if args.update:
+        keep_other_modes(result.report, cfg.out, cfg.modes)
     os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
     with open(cfg.out, "w") as f:
         json.dump(result.report, f, indent=2)

@@ -10,7 +10,7 @@ import torch
 
 import bench.tree_builder as tree_bench
 from bench.round_cost import LABELS
-from bench.speculative import main
+from bench.speculative import keep_other_modes, main
 from bench.tree_builder import builder_identity, time_tree_build
 from tests.support.checkpoints import make_tiny_llama
 from tests.support.greedy import compare_greedy
@@ -169,3 +169,22 @@ def test_greedy_agreement_reads_plains_top2_gap_where_outputs_part(bench):
     assert verdict["x"][2]["share"] == (1.0 if flip["near_tie"] else 0.5) and flip["near_tie"] == (flip["gap"] < 1e-3)
     loose = greedy_agreement(cfg, {2: prompts}, {2: want}, {"x": {2: got}}, tie=1e9)
     assert loose["x"][2]["share"] == 1.0 and loose["x"][2]["flips"][0]["near_tie"]
+
+
+def test_update_keeps_the_modes_not_measured_with_their_provenance(bench, tmp_path):
+    _, _, report = bench
+    out = tmp_path / "speculative.json"
+    out.write_text(json.dumps(report))
+    fresh = {"dominotree": {"t0": {}}, "engine": {"speculative": {"dominotree": {}}}}
+    keep_other_modes(fresh, str(out), ("dominotree",))
+    assert fresh["kept_modes"] == ["chain", "ddtree"]
+    assert fresh["dominotree"] == {"t0": {}}            # the mode measured now is not overwritten
+    for mode in ("chain", "ddtree"):
+        assert fresh[mode]["t0"] == report[mode]["t0"]
+        assert fresh[mode]["measured_by"] == report["provenance"]
+        assert fresh["engine"]["speculative"][mode] == report["engine"]["speculative"][mode]
+    again = {"dominotree": {}, "engine": {"speculative": {}}}
+    out.write_text(json.dumps({**report, "provenance": {"commit": "later"}, "chain": fresh["chain"]}))
+    keep_other_modes(again, str(out), ("dominotree", "ddtree"))
+    assert again["kept_modes"] == ["chain"]
+    assert again["chain"]["measured_by"] == report["provenance"]   # kept twice: still the run that measured it
