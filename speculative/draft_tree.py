@@ -46,6 +46,7 @@ class DraftTree:
     depths: Tensor     # [B, N] long, 0 = child of the root
     scores: Tensor     # [B, N] float32 path log-prob, -inf where invalid
     valid: Tensor      # [B, N] bool; invalid slots (budget larger than the tree) have token 0, parent -1
+    rows: Optional[DraftRows] = None   # verify_rows() when a builder computed them with the tree (its CUDA graph)
 
     @property
     def num_nodes(self) -> Tensor:
@@ -61,6 +62,8 @@ class DraftTree:
 
     def verify_rows(self) -> DraftRows:
         """What the verify step reads of the trees (replicas.step_input.DraftRows), computed on their device."""
+        if self.rows is not None:
+            return self.rows
         return DraftRows(self.tokens, self.position_offsets(), self.tree_attention_mask())
 
     def tree_attention_mask(self) -> Tensor:

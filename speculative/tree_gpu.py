@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from replicas.step_input import DraftRows
 from speculative.draft_tree import DraftTree, TreeConfig, TreeRound
 from speculative.tree import (child_logprobs, child_states, head_tables, hidden_gates, on_triton, prepare_round_with,
                               top_children)
@@ -105,18 +106,41 @@ _FIELDS = (("tokens", torch.long), ("parents", torch.long), ("depths", torch.lon
            ("valid", torch.bool))
 
 
-def _tree_views(packed: Tensor, batch: int, budget: int) -> DraftTree:
-    """A DraftTree whose five [batch, budget] fields are consecutive slices of one byte buffer."""
-    views, at = [], 0
-    for _, dtype in _FIELDS:
-        size = batch * budget * torch.empty((), dtype=dtype).element_size()
-        views.append(packed[at:at + size].view(dtype).view(batch, budget))
+def _layout(batch: int, budget: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The packed buffer: the tree's five [batch, budget] fields and its verify rows' offsets [batch, 1+budget] and
+    mask [batch, 1+budget, 1+budget], widest element first so that every view starts aligned."""
+    w = 1 + budget
+    fields = [(f, dtype, (batch, budget)) for f, dtype in _FIELDS] + [("offsets", torch.long, (batch, w)),
+                                                                     ("mask", torch.bool, (batch, w, w))]
+    return sorted(fields, key=lambda field: -torch.empty((), dtype=field[1]).element_size())
+
+
+def _packed_views(packed: Tensor, batch: int, budget: int) -> DraftTree:
+    """A DraftTree, its verify rows included, whose fields are consecutive slices of one byte buffer."""
+    views, at = {}, 0
+    for name, dtype, shape in _layout(batch, budget):
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        views[name] = packed[at:at + size].view(dtype).view(shape)
         at += size
-    return DraftTree(*views)
+    return DraftTree(*(views[f] for f, _ in _FIELDS),
+                     rows=DraftRows(views["tokens"], views["offsets"], views["mask"]))
 
 
 def _packed_bytes(batch: int, budget: int) -> int:
-    return batch * budget * sum(torch.empty((), dtype=d).element_size() for _, d in _FIELDS)
+    return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+               for _, dtype, shape in _layout(batch, budget))
+
+
+def _columns(tree: DraftTree) -> list[Tensor]:
+    """The batch-major tensors of packed views: the tree's fields, then its rows' offsets and mask."""
+    return [getattr(tree, f) for f, _ in _FIELDS] + [tree.rows.offsets, tree.rows.mask]
+
+
+def _first(tree: DraftTree, b: int) -> DraftTree:
+    """The first b trees of packed views, their rows included."""
+    rows = tree.rows
+    return DraftTree(*(getattr(tree, f)[:b] for f, _ in _FIELDS),
+                     rows=DraftRows(rows.tokens[:b], rows.offsets[:b], rows.mask[:b]))
 
 
 class GraphTreeBuilder:
@@ -124,9 +148,10 @@ class GraphTreeBuilder:
 
     Inputs are copied into static buffers (rows past the batch keep stale data: requests never mix, and every
     row's computation is batch-invariant, so padding changes no bit), the bucket's graph replays and writes the
-    tree into one packed buffer, and one copy clones it. A batch above the largest bucket runs in slices of it.
-    Off CUDA it runs eagerly. The head's tables (gate table included) are computed once here; recreate the
-    builder if the drafter's weights change.
+    tree and its verify rows (DraftTree.verify_rows: offsets and masks) into one packed buffer, and one copy
+    clones it. A batch above the largest bucket runs in slices of it. Off CUDA the same body runs eagerly. The
+    head's tables (gate table included) are computed once here; recreate the builder if the drafter's weights
+    change.
     """
 
     def __init__(self, head, embed_weight: Tensor, cfg: TreeConfig, block_size: int, vocab_size: int,
@@ -144,7 +169,7 @@ class GraphTreeBuilder:
         self.base_logits = torch.zeros(top, block_size, vocab_size, dtype=dtype, device=self.device)
         self.root_ids = torch.zeros(top, dtype=torch.long, device=self.device)
         self.packed = torch.zeros(_packed_bytes(top, cfg.budget), dtype=torch.uint8, device=self.device)
-        self.out = _tree_views(self.packed, top, cfg.budget)
+        self.out = _packed_views(self.packed, top, cfg.budget)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_graphs:
             self._capture()
@@ -155,9 +180,18 @@ class GraphTreeBuilder:
         return self.tables.gates if self.tables is not None else None
 
     def _body(self, bs: int) -> None:
-        from speculative.kernels.tree_fused import build_fused
         rnd = prepare_round_with(self.tables, self.hidden[:bs], self.base_logits[:bs], self.root_ids[:bs], self.cfg)
-        build_fused(rnd, self.cfg, DraftTree(*(getattr(self.out, f)[:bs] for f, _ in _FIELDS)))
+        out = _first(self.out, bs)
+        if on_triton(rnd.cand_ids):
+            from speculative.kernels.tree_fused import build_fused
+            build_fused(rnd, self.cfg, out)
+        else:
+            tree = build_frontier_torch(rnd, self.cfg)
+            for f, _ in _FIELDS:
+                getattr(out, f).copy_(getattr(tree, f))
+        rows = DraftTree(*(getattr(out, f) for f, _ in _FIELDS)).verify_rows()
+        out.rows.offsets.copy_(rows.offsets)
+        out.rows.mask.copy_(rows.mask)
 
     @torch.no_grad()
     def _capture(self) -> None:
@@ -175,26 +209,29 @@ class GraphTreeBuilder:
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
 
-    def _replay(self, hidden: Tensor, base_logits: Tensor, root_ids: Tensor) -> None:
+    def _run(self, hidden: Tensor, base_logits: Tensor, root_ids: Tensor) -> None:
         b = root_ids.shape[0]
         self.hidden[:b].copy_(hidden)
         self.base_logits[:b].copy_(base_logits)
         self.root_ids[:b].copy_(root_ids)
-        self.graphs[next(bs for bs in self.buckets if bs >= b)].replay()
+        bucket = next(bs for bs in self.buckets if bs >= b)
+        if self.use_graphs:
+            self.graphs[bucket].replay()
+        else:
+            self._body(bucket)
 
     @torch.no_grad()
     def build(self, hidden: Tensor, base_logits: Tensor, root_ids: Tensor) -> DraftTree:
+        """The trees of this batch, their verify rows (`rows`) computed with them."""
         b, top, n = root_ids.shape[0], self.buckets[-1], self.cfg.budget
-        if not self.use_graphs:
-            return build_frontier(prepare_round_with(self.tables, hidden, base_logits, root_ids, self.cfg), self.cfg)
         if b <= top:
-            self._replay(hidden, base_logits, root_ids)
-            tree = _tree_views(self.packed.clone(), top, n)
-            return DraftTree(*(getattr(tree, f)[:b] for f, _ in _FIELDS))
-        tree = _tree_views(torch.empty(_packed_bytes(b, n), dtype=torch.uint8, device=self.device), b, n)
+            self._run(hidden, base_logits, root_ids)
+            return _first(_packed_views(self.packed.clone(), top, n), b)
+        packed = torch.empty(_packed_bytes(b, n), dtype=torch.uint8, device=self.device)
+        tree = _packed_views(packed, b, n)
         for start in range(0, b, top):
             stop = min(b, start + top)
-            self._replay(hidden[start:stop], base_logits[start:stop], root_ids[start:stop])
-            for f, _ in _FIELDS:
-                getattr(tree, f)[start:stop].copy_(getattr(self.out, f)[:stop - start])
+            self._run(hidden[start:stop], base_logits[start:stop], root_ids[start:stop])
+            for mine, built in zip(_columns(tree), _columns(self.out)):
+                mine[start:stop].copy_(built[:stop - start])
         return tree

@@ -97,6 +97,13 @@ def random_case(seed: int):
     return head, hidden, base, roots, embed, tc
 
 
+def assert_rows_of(tree: DraftTree):
+    assert tree.rows is not None
+    fresh = DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores, tree.valid).verify_rows()
+    for field in ("tokens", "offsets", "mask"):
+        assert torch.equal(getattr(tree.rows, field), getattr(fresh, field)), field
+
+
 def assert_same(a: DraftTree, b: DraftTree, msg):
     for field in ("tokens", "parents", "depths", "valid", "scores"):
         assert torch.equal(getattr(a, field), getattr(b, field)), (msg, field)
@@ -143,15 +150,19 @@ def test_graph_replay_per_bucket_matches_reference_on_the_unpadded_batch():
     for seed, b in enumerate([1, 3, 8, 2, 8, 5]):
         _, hidden, base, roots, _ = smollm_round(100 + seed, b)
         head_round = prepare_round(head, hidden, base, roots, embed, tc)
-        assert_same(build_reference(head_round, tc), builder.build(hidden, base, roots), (seed, b))
+        tree = builder.build(hidden, base, roots)
+        assert_same(build_reference(head_round, tc), tree, (seed, b))
+        assert_rows_of(tree)                                          # the rows replayed with the tree
     _, hidden, base, roots, _ = smollm_round(999, 19)                 # above the largest bucket: slices of 8
-    assert_same(build_reference(prepare_round(head, hidden, base, roots, embed, tc), tc),
-                builder.build(hidden, base, roots), "slices")
+    tree = builder.build(hidden, base, roots)
+    assert_same(build_reference(prepare_round(head, hidden, base, roots, embed, tc), tc), tree, "slices")
+    assert_rows_of(tree)
 
 
 def test_a_replayed_round_is_a_few_dozen_kernels():
-    """Budget 16, batch 1: 3 prepare launches + 16 depth launches + 1 ledger launch in the graph (the input
-    copies and the output clone are memcpys), against ~700 kernels before the fused build."""
+    """Budget 16, batch 1: 3 prepare launches + 16 depth launches + 1 ledger launch, then ~21 small kernels of the
+    verify rows (offsets; the mask's closure: 4 squarings) in the graph (the input copies and the output clone are
+    memcpys), against ~700 kernels before the fused build."""
     from bench.tree_builder import kernels_per_call
     tc = TreeConfig()
     head, hidden, base, roots, embed = smollm_round(3, 1)
@@ -160,7 +171,7 @@ def test_a_replayed_round_is_a_few_dozen_kernels():
     n = kernels_per_call(lambda: builder.build(hidden, base, roots))
     if n is None:
         pytest.skip("the profiler sees no kernels inside graph replays here")
-    assert n <= 24, n
+    assert n <= 48, n
 
 
 def test_round_path_never_synchronises_with_the_host():

@@ -216,13 +216,24 @@ def test_budget_beyond_the_whole_tree_pads_invalid_slots():
     assert (ref.parents[:, 14:] == -1).all() and (ref.tokens[:, 14:] == 0).all()
 
 
+def assert_rows_of(tree: DraftTree):
+    """The rows a builder computed with the tree equal the ones computed from its fields."""
+    assert tree.rows is not None
+    fresh = DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores, tree.valid).verify_rows()
+    for field in ("tokens", "offsets", "mask"):
+        assert torch.equal(getattr(tree.rows, field), getattr(fresh, field)), field
+
+
 def test_graph_builder_eager_path_matches_frontier():
     head, hidden, base, roots, embed, tc = random_round(21, budget=16, node_topk=8, candidates=16, max_depth=8)
     builder = GraphTreeBuilder(head, embed, tc, block_size=hidden.shape[1], vocab_size=base.shape[2],
-                               hidden_size=hidden.shape[2], dtype=torch.float32, batch_sizes=(1, 8))
+                               hidden_size=hidden.shape[2], dtype=torch.float32, batch_sizes=(1, 2))
     assert not builder.use_graphs
-    assert_same_tree(builder.build(hidden, base, roots),
-                     build_frontier(prepare_round(head, hidden, base, roots, embed, tc), tc))
+    for b in (1, 2, roots.shape[0]):                     # a bucket, the largest bucket, slices of it
+        tree = builder.build(hidden[:b], base[:b], roots[:b])
+        assert_same_tree(tree, build_frontier(prepare_round(head, hidden[:b], base[:b], roots[:b], embed, tc), tc), b)
+        assert_rows_of(tree)
+        assert tree.rows.mask.shape == (b, 17, 17)
 
 
 def test_chain_baseline_is_the_greedy_corrected_path():
