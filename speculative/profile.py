@@ -32,10 +32,10 @@ from speculative.draft_tree import DraftTree
 # trained block drafters reach, so the policy stays conservative. Flat in n, so the policy picks the cheapest
 # budget that beats plain decoding.
 PRIOR_ACCEPTED = 1.0
-# Verify graphs are captured for steps of at most this many tokens (batch bucket x (1 + nodes)): beyond the
-# memory-bound knee a verify step costs several plain steps, the host overhead a graph removes no longer matters,
-# and the graphs' memory stays bounded.
-VERIFY_GRAPH_TOKENS = 512
+# Verify graphs are captured for steps of at most this many tokens (batch bucket x (1 + nodes)), the bound of the
+# mixed-step graphs (GraphsConfig.mixed_graph_tokens' default): a small model's eager step is launch-bound far
+# past it (an eager 544-token verify of SmolLM2 costs about ten graphed ones), and the graphs' memory stays bounded.
+VERIFY_GRAPH_TOKENS = 1024
 # The largest batch profiled on a CPU (larger batches then never speculate): there a forward's cost grows with its
 # tokens from the first one, so a verify step of b x (1 + n) tokens only pays at small b, and profiling larger
 # batches would only lengthen start-up.
@@ -146,11 +146,13 @@ def draft_round(speculator, batch: int, nodes: int, aux, context_len: int):
     return round_, done
 
 
-def _candidate_shapes(runner, budgets: Sequence[int]) -> set[tuple[int, int]]:
-    """(bucket, nodes) verify graphs worth having for these budgets: within VERIFY_GRAPH_TOKENS and the token budget."""
+def _candidate_shapes(runner, budgets: Sequence[int], largest_batch: int) -> set[tuple[int, int]]:
+    """(bucket, nodes) verify graphs worth having for these budgets: within VERIFY_GRAPH_TOKENS and the token budget,
+    for buckets up to the one holding `largest_batch` (the policy never drafts above its largest measured batch)."""
     cfg, graphs = runner.config.scheduling, runner.graphs
     limit = min(VERIFY_GRAPH_TOKENS, cfg.max_num_batched_tokens)
-    return {(b, n) for b in graphs.sizes for n in budgets if n > 0 and b * (1 + n) <= limit}
+    top = next((b for b in graphs.sizes if b >= largest_batch), graphs.sizes[-1])
+    return {(b, n) for b in graphs.sizes for n in budgets if n > 0 and b <= top and b * (1 + n) <= limit}
 
 
 def keep_verify_graphs(runner, speculator) -> None:
@@ -163,7 +165,7 @@ def keep_verify_graphs(runner, speculator) -> None:
         n = speculator.budget(b) if policy is not None else 0
         if n:
             want.add((graphs.bucket(b), n))
-    want &= _candidate_shapes(runner, sorted({n for _, n in want}))
+    want &= _candidate_shapes(runner, sorted({n for _, n in want}), max(b for b, _ in want) if want else 1)
     runner.call_all("keep_verify_graphs", want)
     if runner.device.type == "cuda":
         for n in {n for _, n in want}:
@@ -179,7 +181,7 @@ def measured_budget_policy(runner, speculator) -> BudgetPolicy:
     largest = 64 if runner.device.type == "cuda" else CPU_LARGEST_BATCH
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(most, largest)] + ([most] if most < largest else [])
     if runner.graphs is not None:
-        runner.call_all("add_verify_graphs", _candidate_shapes(runner, budgets))
+        runner.call_all("add_verify_graphs", _candidate_shapes(runner, budgets, max(sizes)))
     on_gpu = runner.device.type == "cuda"
     profile = measure_verify_profile(runner, speculator, sorted(set(sizes)), budgets, warmup=2 if on_gpu else 1,
                                      iters=5 if on_gpu else 3)

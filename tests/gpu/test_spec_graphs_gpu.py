@@ -11,6 +11,7 @@ import torch
 from tests.support.checkpoints import make_tiny_llama
 from replicas import LLM, SamplingParams
 from speculative.cost_model import BudgetPolicy, FixedBudgetPolicy, KneeBudgetPolicy
+from speculative.profile import VERIFY_GRAPH_TOKENS
 from tests.support.greedy import compare_greedy
 from tests.support.steps import decode_step, random_verify_step
 
@@ -89,14 +90,15 @@ def test_startup_profile_keeps_the_verify_graphs_its_policy_uses(folder):
         policy, graphs = spec.policy, runner.graphs
         assert isinstance(policy, BudgetPolicy)
         assert {(1, 16), (1, 8), (1, 4)} <= set(policy.verify.graphed)      # timed through graphs
+        limit = min(VERIFY_GRAPH_TOKENS, runner.config.scheduling.max_num_batched_tokens)
         want = {(graphs.bucket(b), spec.budget(b)) for b in range(1, 33) if spec.budget(b)}
-        want = {(s, n) for s, n in want if s * (1 + n) <= 512}
+        want = {(s, n) for s, n in want if s * (1 + n) <= limit}
         assert graphs.verify_shapes(spec.aux_layers) == want
         report = policy.describe()
         assert set(report["by_batch"]) == {f"b{b}" for b in policy.verify.batch_sizes}
         assert all(row["reason"] for row in report["by_batch"].values())
         spec.use_policy(FixedBudgetPolicy(8), runner)
-        assert graphs.verify_shapes(spec.aux_layers) == {(s, 8) for s in graphs.sizes if s * 9 <= 512}
+        assert graphs.verify_shapes(spec.aux_layers) == {(s, 8) for s in graphs.sizes if s * 9 <= limit}
     finally:
         llm.shutdown()
 
