@@ -33,8 +33,8 @@ from speculative.draft_tree import DraftTree
 # budget that beats plain decoding.
 PRIOR_ACCEPTED = 1.0
 # Verify graphs are captured for steps of at most this many tokens (batch bucket x (1 + nodes)), the bound of the
-# mixed-step graphs (GraphsConfig.mixed_graph_tokens' default): a small model's eager step is launch-bound far
-# past it (an eager 544-token verify of SmolLM2 costs about ten graphed ones), and the graphs' memory stays bounded.
+# mixed-step graphs (GraphsConfig.mixed_graph_tokens' default): a small model's eager step stays launch-bound far
+# past it, so the graph removes most of the step, and the graphs' memory stays bounded.
 VERIFY_GRAPH_TOKENS = 1024
 # The largest batch profiled on a CPU (larger batches then never speculate): there a forward's cost grows with its
 # tokens from the first one, so a verify step of b x (1 + n) tokens only pays at small b, and profiling larger
