@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from types import SimpleNamespace
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -146,12 +146,14 @@ def draft_round(speculator, batch: int, nodes: int, aux, context_len: int):
     return round_, done
 
 
-def _candidate_shapes(runner, budgets: Sequence[int], largest_batch: int) -> set[tuple[int, int]]:
+def _candidate_shapes(runner, budgets: Sequence[int], largest_batch: Optional[int] = None) -> set[tuple[int, int]]:
     """(bucket, nodes) verify graphs worth having for these budgets: within VERIFY_GRAPH_TOKENS and the token budget,
-    for buckets up to the one holding `largest_batch` (the policy never drafts above its largest measured batch)."""
+    for buckets up to the one holding `largest_batch` if given (the policy never drafts above its largest measured
+    batch)."""
     cfg, graphs = runner.config.scheduling, runner.graphs
     limit = min(VERIFY_GRAPH_TOKENS, cfg.max_num_batched_tokens)
-    top = next((b for b in graphs.sizes if b >= largest_batch), graphs.sizes[-1])
+    top = graphs.sizes[-1] if largest_batch is None else \
+        next((b for b in graphs.sizes if b >= largest_batch), graphs.sizes[-1])
     return {(b, n) for b in graphs.sizes for n in budgets if n > 0 and b <= top and b * (1 + n) <= limit}
 
 
@@ -165,7 +167,7 @@ def keep_verify_graphs(runner, speculator) -> None:
         n = speculator.budget(b) if policy is not None else 0
         if n:
             want.add((graphs.bucket(b), n))
-    want &= _candidate_shapes(runner, sorted({n for _, n in want}), max(b for b, _ in want) if want else 1)
+    want &= _candidate_shapes(runner, sorted({n for _, n in want}))
     runner.call_all("keep_verify_graphs", want)
     if runner.device.type == "cuda":
         for n in {n for _, n in want}:

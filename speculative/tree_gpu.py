@@ -19,6 +19,7 @@ picks wherever the row math runs on Triton (CUDA).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -33,12 +34,18 @@ from speculative.tree import (child_logprobs, child_states, head_tables, hidden_
 NEG_INF = float("-inf")
 
 
-def build_frontier(rnd: TreeRound, cfg: TreeConfig) -> DraftTree:
-    """The batched builder: fused Triton launches where the row math runs on Triton, torch ops elsewhere."""
+def build_frontier(rnd: TreeRound, cfg: TreeConfig, out: Optional[DraftTree] = None) -> DraftTree:
+    """The batched builder: fused Triton launches where the row math runs on Triton, torch ops elsewhere; written
+    into `out`'s five fields when given."""
     if on_triton(rnd.cand_ids):
         from speculative.kernels.tree_fused import build_fused
-        return build_fused(rnd, cfg)
-    return build_frontier_torch(rnd, cfg)
+        return build_fused(rnd, cfg, out)
+    tree = build_frontier_torch(rnd, cfg)
+    if out is None:
+        return tree
+    for f, _ in _FIELDS:
+        getattr(out, f).copy_(getattr(tree, f))
+    return out
 
 
 @torch.no_grad()
@@ -181,15 +188,8 @@ class GraphTreeBuilder:
 
     def _body(self, bs: int) -> None:
         rnd = prepare_round_with(self.tables, self.hidden[:bs], self.base_logits[:bs], self.root_ids[:bs], self.cfg)
-        out = _first(self.out, bs)
-        if on_triton(rnd.cand_ids):
-            from speculative.kernels.tree_fused import build_fused
-            build_fused(rnd, self.cfg, out)
-        else:
-            tree = build_frontier_torch(rnd, self.cfg)
-            for f, _ in _FIELDS:
-                getattr(out, f).copy_(getattr(tree, f))
-        rows = DraftTree(*(getattr(out, f) for f, _ in _FIELDS)).verify_rows()
+        out = build_frontier(rnd, self.cfg, _first(self.out, bs))
+        rows = replace(out, rows=None).verify_rows()            # computed from the fields just written
         out.rows.offsets.copy_(rows.offsets)
         out.rows.mask.copy_(rows.mask)
 
