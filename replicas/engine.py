@@ -253,7 +253,7 @@ class LLMEngine:
             out = self.sampler(_take_rows(logits, plain_rows) if drafted else logits, sb)
             tokens = out.token_ids.tolist()
             if guided:
-                refused = self.guided.advance(guided_seqs, [tokens[r] for r in guided])
+                refused = self.guided.refused(guided_seqs, [tokens[r] for r in guided])
         now = time.monotonic()
         touched: dict[str, Request] = {}
         aux = self.runner.last_aux_hidden if spec is not None else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -27,9 +28,9 @@ def bitmask_words(vocab_size: int) -> int:
 
 @dataclass
 class TokenMask:
-    rows: torch.Tensor          # int64 [C]: the sampler batch's rows that follow a grammar
-    bitmask: torch.Tensor       # int32 [C, words]: row i's allowed tokens, on the logits' device
-    leading: bool = False       # rows are 0..C-1 (every row of a fully constrained batch): no gather, no scatter
+    rows: Optional[torch.Tensor]  # int64 [C]: the sampler batch's rows that follow a grammar (None if leading)
+    bitmask: torch.Tensor         # int32 [C, words]: row i's allowed tokens, on the logits' device
+    leading: bool = False         # rows are 0..C-1 (every row of a fully constrained batch): no gather, no scatter
 
 
 def _unpacked(bitmask: torch.Tensor, vocab_size: int, allowed: bool) -> torch.Tensor:

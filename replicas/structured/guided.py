@@ -2,25 +2,28 @@
 
 Per step (replicas/engine.py, `LLMEngine._run`), for the constrained sequences that sample in it, all on the
 engine's thread:
-  1. `token_mask(seqs, rows, broken)`, once the forward is launched: each matcher is synced to its
-     sequence's tokens, the step's bitmask rows are filled into a host buffer and copied to the logits' device
-     (from pinned memory, asynchronously, on CUDA); the sampler applies them (replicas/structured/bitmask.py). On
-     CUDA `runner.execute` returns once the forward is enqueued, so the fill runs while the device computes; on
-     the CPU the forward has already run and the fill (a few microseconds a row) follows it.
-  2. `advance(seqs, tokens)`, right after sampling: one batched call advances every matcher by its sampled token;
-     it returns the sequences whose token the grammar refused (their requests fail before that token reaches a
-     client; their matchers are unchanged).
+  1. `token_mask(seqs, rows, broken)`, once the forward is launched: each matcher catches up with its sequence's
+     tokens (the last step's sampled tokens, accepted here in one batched call), the step's bitmask rows are
+     filled into a host buffer and copied to the logits' device (from pinned memory, asynchronously, on CUDA);
+     the sampler applies them (replicas/structured/bitmask.py). On CUDA `runner.execute` returns once the
+     forward is enqueued, so the accept and the fill run while the device computes; on the CPU the forward has
+     already run and they (a few microseconds a row) follow it.
+  2. `refused(seqs, tokens)`, right after sampling: each sampled token checked against its row of the host
+     bitmask (one vectorised read, no grammar call), so the sequences whose token the grammar does not allow (a
+     state that allows no token of the vocabulary) fail before that token reaches a client. Accepting the
+     tokens waits for the next step's `token_mask`: between the step's sync and the next launch the device is
+     idle, so nothing that can wait for the next forward runs there.
 
 Why not a worker thread: the fill and the accept are short calls that release the GIL, and a thread that must
 take the GIL back from the busy step loop waits for it up to the interpreter's switch interval (5 ms), every
 time; so a fill on a worker ends up serialised with the loop, plus the hand-offs. On the engine's thread it costs
 its own few microseconds a row and nothing else.
 
-Invariant: when a step starts, each matcher has accepted exactly `state.num_tokens` of its sequence's output
-tokens. A sequence's output only grows at its end or is cut back to a prefix; a preempted sequence recomputes its
-KV and keeps its tokens, so its matcher stands. `sync` rolls a matcher back to its sequence's tokens (or accepts
-the ones it has not seen), so whatever changed a sequence's tokens (a step that raised between sampling and
-`advance`, say) leaves its grammar state right.
+Invariant: a matcher has accepted a prefix of its sequence's output tokens, `state.num_tokens` of them. A
+sequence's output only grows at its end or is cut back to a prefix; a preempted sequence recomputes its KV and
+keeps its tokens, so its matcher stands. `catch_up` rolls a matcher back to its sequence's tokens or accepts the
+ones it has not seen (the common case: one token, batched over the step's sequences), so whatever changed a
+sequence's tokens leaves its grammar state right before its next row is filled.
 
 One host bitmask buffer serves every step: a step's copy to the device is complete before the next step fills the
 buffer again, since the engine reads the step's sampled tokens back (a sync) in between.
@@ -81,13 +84,9 @@ class GuidedDecoding:
         return self._host
 
     def fill(self, seqs: Seq["Sequence"], broken: list) -> torch.Tensor:
-        """The host bitmask rows of `seqs`, in order, after syncing each matcher; a sequence whose tokens its
-        grammar refuses goes to `broken` (its request must fail; its row is filled all the same)."""
-        for seq in seqs:
-            try:
-                self.sync(seq)
-            except GrammarError as e:
-                broken.append((seq, e))
+        """The host bitmask rows of `seqs`, in order, after each matcher caught up with its sequence; a sequence
+        whose tokens its grammar refuses goes to `broken` (its request must fail; its row is filled all the same)."""
+        self.catch_up(seqs, broken)
         rows = self._buffer()[:len(seqs)]
         start = time.perf_counter()
         self.cache.backend.fill_bitmask([seq.grammar.matcher for seq in seqs], rows)
@@ -98,20 +97,37 @@ class GuidedDecoding:
     def token_mask(self, seqs: Seq["Sequence"], rows: Seq[int], broken: list) -> TokenMask:
         """The bitmask of `seqs` on the engine's device; `rows` are their rows in the sampler batch, ascending."""
         host = self.fill(seqs, broken)
-        return TokenMask(to_device(np.asarray(rows, dtype=np.int64), self.device),
-                         host.to(self.device, non_blocking=True),
-                         leading=rows[-1] == len(rows) - 1)         # ascending: the last is C - 1 iff 0..C-1
+        leading = rows[-1] == len(rows) - 1          # ascending: the last is C - 1 iff 0..C-1
+        return TokenMask(None if leading else to_device(np.asarray(rows, dtype=np.int64), self.device),
+                         host.to(self.device, non_blocking=True), leading=leading)
 
-    def advance(self, seqs: Seq["Sequence"], tokens: Seq[int]) -> list[tuple["Sequence", int]]:
-        """Advance each sequence's matcher by its sampled token; (sequence, token) where the grammar refused it."""
-        accepted = self.cache.backend.accept([seq.grammar.matcher for seq in seqs], list(tokens))
-        refused = []
-        for seq, token, ok in zip(seqs, tokens, accepted):
-            if ok:
-                seq.grammar.num_tokens += 1
-            else:
-                refused.append((seq, token))
-        return refused
+    def refused(self, seqs: Seq["Sequence"], tokens: Seq[int]) -> list[tuple["Sequence", int]]:
+        """(sequence, token) for each sampled token its row of the last fill does not allow; `seqs` in that fill's
+        order. The matchers are untouched: the next fill accepts the tokens."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        words = self._buffer()[:len(ids)].numpy()[np.arange(len(ids)), ids >> 5]
+        allowed = (words.astype(np.int64) >> (ids & 31)) & 1
+        return [(seqs[i], int(ids[i])) for i in np.flatnonzero(allowed == 0)]
+
+    def catch_up(self, seqs: Seq["Sequence"], broken: list) -> None:
+        """Bring every matcher in line with its sequence's output tokens: the ones one token behind in one batched
+        accept, the others one by one (`sync`); a sequence whose tokens do not match goes to `broken`."""
+        behind = [s for s in seqs if s.grammar.num_tokens == s.num_output_tokens - 1]
+        if behind:
+            accepted = self.cache.backend.accept([s.grammar.matcher for s in behind], [s.token_ids[-1] for s in behind])
+            for seq, ok in zip(behind, accepted):
+                if ok:
+                    seq.grammar.num_tokens += 1
+                else:
+                    broken.append((seq, GrammarError(f"token {seq.token_ids[-1]} of the output does not match "
+                                                     "the grammar")))
+        failed = {id(seq) for seq, _ in broken}
+        for seq in seqs:
+            if id(seq) not in failed:
+                try:
+                    self.sync(seq)
+                except GrammarError as e:
+                    broken.append((seq, e))
 
     def sync(self, seq: "Sequence") -> None:
         """Bring the matcher in line with the sequence's output tokens (GrammarError if they do not match)."""

@@ -89,8 +89,9 @@ def test_grammar_cache_hits_misses_and_evicts(tiny):
 
 
 def test_preempted_request_keeps_its_grammar_state(llm):
-    """A constrained sequence preempted mid-output recomputes and continues: its matcher still matches its tokens
-    at every step, and the output equals the one of a run without preemption (greedy)."""
+    """A constrained sequence preempted mid-output recomputes and continues: its matcher has accepted all of its
+    tokens but the last step's (accepted by the next fill) at every step, and the output equals the one of a run
+    without preemption (greedy)."""
     engine = llm.engine
     want = llm.generate(PROMPTS[1], constrained())[0].outputs[0].text
     engine.add_request("pre", PROMPTS[1], constrained(), stream=False)
@@ -101,7 +102,7 @@ def test_preempted_request_keeps_its_grammar_state(llm):
             outs[out.request_id] = out
         running = [s for s in engine.scheduler.running if s.grammar is not None]
         for seq in running:
-            assert seq.grammar.num_tokens == seq.num_output_tokens
+            assert seq.grammar.num_tokens == seq.num_output_tokens - 1
         seq = next((s for s in running if s.request_id == "pre"), None)
         if seq is not None and seq.num_output_tokens in (4, 15):
             engine.scheduler.preempt(seq)
@@ -139,8 +140,9 @@ def test_sync_rolls_a_matcher_back_and_forward_to_its_sequence(llm):
 
 def test_each_steps_rows_equal_a_fresh_fill_and_a_refused_token_is_reported(llm):
     """The step pipeline: whatever the row order, new sequences or sequences leaving, each step's row of a sequence
-    equals a fresh matcher's for the same tokens; `advance` reports a token the grammar refuses, whose matcher stays
-    as it was, and the next fill reports that sequence as broken."""
+    equals a fresh matcher's for the same tokens (the last step's tokens accepted by this step's fill, in one
+    batch); `refused` reports a sampled token its row does not allow, without touching the matchers, and the next
+    fill reports that sequence as broken."""
     tok, engine = llm.tokenizer, llm.engine
     vocab = engine.model_config.vocab_size
     guided = GuidedDecoding("xgrammar", 4, tok, vocab, engine.eos_token_ids, 4, "cpu")
@@ -162,8 +164,9 @@ def test_each_steps_rows_equal_a_fresh_fill_and_a_refused_token_is_reported(llm)
             mask = guided.token_mask(seqs, list(range(len(seqs))), broken)
             assert not broken and mask.leading
             for row, seq in enumerate(seqs):
+                assert seq.grammar.num_tokens == seq.num_output_tokens
                 assert torch.equal(allowed_tokens(mask.bitmask[row:row + 1], vocab), expected(seq)), seq.request_id
-            refused = guided.advance(seqs, tokens)
+            refused = guided.refused(seqs, tokens)
             for seq, token in zip(seqs, tokens):
                 seq.token_ids.append(token)
             return refused
@@ -175,10 +178,11 @@ def test_each_steps_rows_equal_a_fresh_fill_and_a_refused_token_is_reported(llm)
         assert step([a], [ids[5]]) == []                              # b and c left the batch
         refused = step([b, a], [ids[5], tok.encode("]]]", add_special_tokens=False)[0]])
         assert [(seq.request_id, token) for seq, token in refused] == [("a", a.token_ids[-1])]
-        assert a.grammar.num_tokens == a.num_output_tokens - 1        # the matcher never took the refused token
+        assert a.grammar.num_tokens == a.num_output_tokens - 1        # not accepted yet: the next fill does
         broken: list = []
         guided.fill([a, b], broken)
         assert [seq.request_id for seq, _ in broken] == ["a"]
+        assert a.grammar.num_tokens == a.num_output_tokens - 1 and b.grammar.num_tokens == b.num_output_tokens
     finally:
         guided.shutdown()
         reference.shutdown()
