@@ -163,28 +163,36 @@ class TrainBatch:
     loss_mask: Tensor      # [B, T] bool: response tokens, the ones the drafter learns to predict
     anchors: Tensor        # [B, A] block roots: slot k of a block predicts the token at anchor + 1 + k
     anchor_valid: Tensor   # [B, A] bool
+    num_tokens: int = 0    # prompt + response tokens in the batch, padding not counted
 
     def to(self, device) -> "TrainBatch":
-        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid)))
+        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid)),
+                          num_tokens=self.num_tokens)
+
+
+PAD_MULTIPLE = 64     # a batch is as wide as its longest sequence, rounded up to this (few distinct shapes)
 
 
 def make_batch(pairs: Sequence[Pair], seq_len: int, anchors_per_seq: int, rng: random.Random) -> TrainBatch:
     """Random anchors per sequence, at positions whose next token is a response token (and a >= 1, so every
-    block has some target context strictly before its root)."""
+    block has some target context strictly before its root). Sequences are cut to `seq_len`; the batch is padded
+    only to its longest sequence (rounded up to PAD_MULTIPLE), since the target and the drafter's context run
+    over every column."""
     b = len(pairs)
-    ids = torch.zeros(b, seq_len, dtype=torch.long)
-    mask = torch.zeros(b, seq_len, dtype=torch.bool)
+    seqs = [(list(prompt) + list(response))[:seq_len] for prompt, response in pairs]
+    width = min(seq_len, -(-max(len(seq) for seq in seqs) // PAD_MULTIPLE) * PAD_MULTIPLE)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.bool)
     anchors = torch.zeros(b, anchors_per_seq, dtype=torch.long)
     valid = torch.zeros(b, anchors_per_seq, dtype=torch.bool)
-    for i, (prompt, response) in enumerate(pairs):
-        seq = (list(prompt) + list(response))[:seq_len]
+    for i, ((prompt, _), seq) in enumerate(zip(pairs, seqs)):
         ids[i, :len(seq)] = torch.tensor(seq)
         mask[i, len(prompt):len(seq)] = True
         choices = list(range(max(len(prompt) - 1, 1), len(seq) - 1))
         picked = sorted(rng.sample(choices, min(anchors_per_seq, len(choices))))
         anchors[i, :len(picked)] = torch.tensor(picked, dtype=torch.long)
         valid[i, :len(picked)] = True
-    return TrainBatch(ids, mask, anchors, valid)
+    return TrainBatch(ids, mask, anchors, valid, num_tokens=sum(len(seq) for seq in seqs))
 
 
 class PairBatcher:

@@ -218,6 +218,8 @@ class Trainer:
         return c.lambda_base_start + (c.lambda_base_end - c.lambda_base_start) * frac
 
     def train_step(self) -> dict[str, Tensor]:
+        """One step; besides the losses, `width` (the batch's padded length, for its FLOPs) and `tokens` (its
+        prompt + response tokens) as host numbers."""
         batch = self.batcher.next().to(self.device)
         lam = self.lambda_at(self.step)
         for group in self.opt.param_groups:
@@ -233,26 +235,27 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.step += 1
-        return {"loss": loss.detach(), **{k: v.detach() for k, v in losses.items()}}
+        return {"loss": loss.detach(), **{k: v.detach() for k, v in losses.items()},
+                "width": batch.input_ids.shape[1], "tokens": batch.num_tokens}
 
     def train(self) -> list[dict]:
         """Train to `cfg.steps`, or until `stop_at_step` or the time budget; the last step is checkpointed.
         Returns the logged records (every worker gets the same, averaged over workers)."""
         c, records = self.cfg, []
-        flops = step_flops(self.drafter.cfg, c.batch_size, c.seq_len, c.anchors_per_seq)
-        window_start, window_steps = time.perf_counter(), 0
+        window = {"start": time.perf_counter(), "steps": 0, "flops": 0.0, "tokens": 0}
         while self.step < self.total_steps:
             out = self.train_step()
-            window_steps += 1
+            window["steps"] += 1
+            window["flops"] += step_flops(self.drafter.cfg, c.batch_size, out.pop("width"), c.anchors_per_seq)
+            window["tokens"] += out.pop("tokens")
             stop = bool(c.stop_at_step) and self.step >= c.stop_at_step
             if self.step % c.log_every == 0 or self.step == self.total_steps or stop:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                elapsed = time.perf_counter() - window_start
-                record, out_of_time = self._log(out, window_steps, elapsed, flops)
+                record, out_of_time = self._log(out, window, time.perf_counter() - window["start"])
                 records.append(record)
                 stop = stop or out_of_time
-                window_start, window_steps = time.perf_counter(), 0
+                window = {"start": time.perf_counter(), "steps": 0, "flops": 0.0, "tokens": 0}
             if self.step % c.checkpoint_every == 0 or self.step == self.total_steps or stop:
                 self.save()
             if stop:
@@ -273,10 +276,11 @@ class Trainer:
             return float(torch.cuda.max_memory_allocated(self.device))
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
-    def _log(self, out: dict[str, Tensor], steps: int, elapsed: float, flops: float) -> tuple[dict, bool]:
+    def _log(self, out: dict[str, Tensor], window: dict, elapsed: float) -> tuple[dict, bool]:
         """Average the step's metrics over the workers (a collective: every worker calls it at the same steps)
-        and agree on stopping; rank 0 appends the record to the log and prints a progress line."""
-        c, names = self.cfg, list(out)
+        and agree on stopping; rank 0 appends the record to the log and prints a progress line. Throughput and
+        MFU are rank 0's window (every worker's shapes are alike), times the number of workers."""
+        c, names, steps = self.cfg, list(out), window["steps"]
         stop_vote = float(self._out_of_time(elapsed / steps))
         values = torch.stack([out[k].float() for k in names] + [torch.tensor(stop_vote, device=self.device)])
         peak = torch.tensor([self._peak_memory_bytes()], dtype=torch.float64, device=self.device)
@@ -285,14 +289,14 @@ class Trainer:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             values[:-1] /= self.world_size
         *metrics, stop_votes = values.tolist()
-        tokens = steps * self.world_size * c.batch_size
+        sequences = steps * self.world_size * c.batch_size
         rec = {"step": self.step,
                **{f"{k}_loss" if k in ("final", "base") else k: round(v, 5) for k, v in zip(names, metrics)},
                "lr": self.lr_at(self.step - 1), "lambda_base": self.lambda_at(self.step - 1),
                "step_ms": elapsed / steps * 1e3,
-               "query_tokens_per_s": tokens * c.anchors_per_seq * self.drafter.cfg.block_size / elapsed,
-               "seq_tokens_per_s": tokens * c.seq_len / elapsed,
-               "mfu": steps * flops / elapsed / self.peak_flops if self.peak_flops else None,
+               "query_tokens_per_s": sequences * c.anchors_per_seq * self.drafter.cfg.block_size / elapsed,
+               "seq_tokens_per_s": window["tokens"] * self.world_size / elapsed,
+               "mfu": window["flops"] / elapsed / self.peak_flops if self.peak_flops else None,
                "peak_memory_gib": peak.item() / 2**30}
         if self.rank == 0:
             with open(self.log_path, "a") as f:

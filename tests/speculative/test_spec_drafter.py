@@ -7,8 +7,8 @@ import torch
 
 from speculative.acceptance import accept
 from speculative.drafter import DominoDrafter, DraftContext, DrafterConfig, evenly_spaced_layers
-from speculative.train import HFTarget, TrainConfig, Trainer, step_flops, training_mask
-from speculative.train_data import (PairBatcher, TrainBatch, in_heldout, iter_sharegpt, make_batch, read_pairs,
+from speculative.train import HFTarget, TrainConfig, Trainer, block_losses, step_flops, training_mask
+from speculative.train_data import (PAD_MULTIPLE, PairBatcher, TrainBatch, in_heldout, iter_sharegpt, make_batch, read_pairs,
                                     write_pairs)
 from speculative.draft_tree import TreeConfig
 from speculative.tree import prepare_round
@@ -224,7 +224,29 @@ def test_anchor_batches_and_resumable_order():
     two = PairBatcher(pairs, 3, 24, 4, seed=5)
     two.load_state(one.state())
     a, b = one.next(), two.next()
-    assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in TrainBatch.__dataclass_fields__)
+    assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "loss_mask", "anchors", "anchor_valid"))
+    assert a.num_tokens == b.num_tokens
+
+
+def test_a_batch_is_padded_to_its_longest_sequence_only():
+    """The width is the longest sequence rounded up to PAD_MULTIPLE, never past seq_len; the token count leaves
+    the padding out; a batch of the same pairs padded to seq_len gives the same losses (the padding is masked)."""
+    pairs = [([3] * 5, [4] * 30), ([3] * 7, [4] * 50)]
+    batch = make_batch(pairs, 1024, 4, random.Random(0))
+    assert batch.input_ids.shape == (2, PAD_MULTIPLE) and batch.num_tokens == 35 + 57
+    assert make_batch(pairs, 40, 4, random.Random(0)).input_ids.shape == (2, 40)
+    cfg = DrafterConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=16, target_layer_ids=(0,), block_size=4, gru_hidden=8,
+                        correction_rank=4)
+    torch.manual_seed(0)
+    drafter, embed = DominoDrafter(cfg), torch.randn(64, 32)
+    pad = torch.nn.functional.pad
+    wide = TrainBatch(pad(batch.input_ids, (0, 64)), pad(batch.loss_mask, (0, 64)), batch.anchors, batch.anchor_valid)
+    hidden = torch.randn(2, 128, 32)
+    narrow_losses = block_losses(drafter, batch, hidden[:, :PAD_MULTIPLE], embed, embed, 7.0)
+    wide_losses = block_losses(drafter, wide, hidden, embed, embed, 7.0)
+    for key in ("final", "base", "accuracy"):
+        assert torch.allclose(narrow_losses[key], wide_losses[key], atol=1e-5), key
 
 
 def test_sharegpt_stream_and_stable_heldout_split():
