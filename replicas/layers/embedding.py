@@ -34,10 +34,20 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
 
+def float_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [S, H] @ weight.T in float32. On CUDA 16-bit operands go through one GEMM that accumulates and writes
+    float32: rounded to bf16, logits of typical magnitude step by 0.125, so the same rows multiplied in two GEMM
+    shapes (a verify step's tree rows against a decode step's one row) could swap a greedy pick between two
+    tokens two such steps apart."""
+    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and hidden.dim() == 2:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden, weight).float()
+
+
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the last hidden state of each sampled sequence; full vocab on rank 0 only. With a quantized
-    checkpoint on the CPU (`keep_quantized`), batches of up to quant_cpu.MAX_ROWS rows multiply the quantized
-    shard, larger ones the float weight."""
+    """Float32 logits for the last hidden state of each sampled sequence; full vocab on rank 0 only. With a
+    quantized checkpoint on the CPU (`keep_quantized`), batches of up to quant_cpu.MAX_ROWS rows multiply the
+    quantized shard, larger ones the float weight."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__(vocab_size, hidden_size)
@@ -56,9 +66,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.quantized is not None and hidden.shape[0] <= quant_cpu.MAX_ROWS:
-            logits = self.quantized.linear(hidden, None)
+            logits = self.quantized.linear(hidden, None).float()
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = float_logits(hidden, self.weight)
         if self.tp.world_size == 1:
             return logits
         full = self.tp.gather_to_first(logits, dim=-1)
