@@ -6,8 +6,9 @@ parallel over every GPU of the machine (Ray Train), resumable across short calls
 
 Data: with `--regenerate N` the target answers N ShareGPT train-split prompts through tidal's own engine
 (offline batched generation, one engine per GPU) into `--pairs`, continuing a partly written file; otherwise
-`--pairs` is read as it is. Target features are online: each worker's frozen target computes the hidden states
-inside the training step. `run.json` in the output folder records which data and features a run used.
+`--pairs` is read as it is. Target features (the frozen target's hidden states the drafter reads) are cached by
+default: each worker's target runs once over its shard before the first step (`--target-features online`: inside
+every step instead). `run.json` in the output folder records which data and features a run used.
 """
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ import torch
 from speculative.train_checkpoint import find_checkpoint
 from speculative.train_distributed import (TrainJob, local_ray, ray_train_available, run_in_process, run_training,
                                           worker_count)
-from speculative.train_loop import (HFTarget, TrainConfig, Trainer, block_losses, device_peak_flops, step_flops,
-                                    training_mask)
+from speculative.train_loop import (FEATURE_MODES, HFTarget, TrainConfig, Trainer, block_losses, device_peak_flops,
+                                    step_flops, training_mask)
 
 __all__ = ["HFTarget", "TrainConfig", "Trainer", "block_losses", "step_flops", "training_mask", "main"]
 
-TARGET_FEATURES = "online: each worker's frozen target computes the drafter's hidden states inside the step"
+FEATURE_NOTES = {
+    "cached": "cached: each worker's frozen target computes its shard's hidden states once, before the first step "
+              "(speculative/train_features.py)",
+    "online": "online: each worker's frozen target computes the drafter's hidden states inside every step"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,9 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ray: Ray Train workers; local: one worker in this process, no Ray; auto: ray where "
                         "ray[train] is installed")
     for f in fields(TrainConfig):
-        value = f.default
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(value) if value is not None else float,
-                       default=value)
+        value, flag = f.default, "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        elif f.name == "target_features":
+            p.add_argument(flag, choices=FEATURE_MODES, default=value,
+                           help="cached: the target runs once over every pair before training; online: in every step")
+        else:
+            p.add_argument(flag, type=type(value) if value is not None else float, default=value)
 
 
 def _load_prompts(args) -> list[str]:
@@ -132,13 +141,13 @@ def run(args, argv: Optional[list[str]] = None) -> int:
         regenerated = _regenerate(args, use_gpu, local, deadline) if args.regenerate else None
         record = {"command": sys.argv[:1] + list(argv if argv is not None else sys.argv[1:]),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                  "data": _data_record(args, previous, regenerated), "target_features": TARGET_FEATURES,
+                  "data": _data_record(args, previous, regenerated), "target_features": FEATURE_NOTES[cfg.target_features],
                   "launcher": "local" if local else "ray", "workers": workers, "device": "cuda" if use_gpu else "cpu",
                   "peak_flops_per_device": peak,
                   "mfu_note": None if peak else "no MFU: no peak FLOP/s known for this device; pass --peak-flops",
                   "resumed_from": find_checkpoint(job.resume or os.path.join(job.out, "checkpoints")),
                   "config": asdict(cfg)}
-        print(f"data: {record['data']['source']}; target features {TARGET_FEATURES}", flush=True)
+        print(f"data: {record['data']['source']}; target features {FEATURE_NOTES[cfg.target_features]}", flush=True)
         _write_run_record(job.out, record)
         result = run_in_process(job) if local else run_training(job)
     _write_run_record(job.out, {**record, "result": result, "seconds": round(time.time() - start, 1)})

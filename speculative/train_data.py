@@ -164,16 +164,18 @@ class TrainBatch:
     anchors: Tensor        # [B, A] block roots: slot k of a block predicts the token at anchor + 1 + k
     anchor_valid: Tensor   # [B, A] bool
     num_tokens: int = 0    # prompt + response tokens in the batch, padding not counted
+    pair_ids: tuple[int, ...] = ()   # each row's index in the batcher's pairs (the feature cache's key)
 
     def to(self, device) -> "TrainBatch":
         return TrainBatch(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid)),
-                          num_tokens=self.num_tokens)
+                          num_tokens=self.num_tokens, pair_ids=self.pair_ids)
 
 
 PAD_MULTIPLE = 64     # a batch is as wide as its longest sequence, rounded up to this (few distinct shapes)
 
 
-def make_batch(pairs: Sequence[Pair], seq_len: int, anchors_per_seq: int, rng: random.Random) -> TrainBatch:
+def make_batch(pairs: Sequence[Pair], seq_len: int, anchors_per_seq: int, rng: random.Random,
+               pair_ids: Sequence[int] = ()) -> TrainBatch:
     """Random anchors per sequence, at positions whose next token is a response token (and a >= 1, so every
     block has some target context strictly before its root). Sequences are cut to `seq_len`; the batch is padded
     only to its longest sequence (rounded up to PAD_MULTIPLE), since the target and the drafter's context run
@@ -192,7 +194,7 @@ def make_batch(pairs: Sequence[Pair], seq_len: int, anchors_per_seq: int, rng: r
         picked = sorted(rng.sample(choices, min(anchors_per_seq, len(choices))))
         anchors[i, :len(picked)] = torch.tensor(picked, dtype=torch.long)
         valid[i, :len(picked)] = True
-    return TrainBatch(ids, mask, anchors, valid, num_tokens=sum(len(seq) for seq in seqs))
+    return TrainBatch(ids, mask, anchors, valid, num_tokens=sum(len(seq) for seq in seqs), pair_ids=tuple(pair_ids))
 
 
 class PairBatcher:
@@ -221,7 +223,7 @@ class PairBatcher:
             if self.cursor >= len(order):
                 self.epoch, self.cursor = self.epoch + 1, 0
                 order = self._order()
-            picked.append(self.pairs[order[self.cursor]])
+            picked.append(order[self.cursor])
             self.cursor += 1
         rng = random.Random((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.cursor)
-        return make_batch(picked, self.seq_len, self.anchors, rng)
+        return make_batch([self.pairs[i] for i in picked], self.seq_len, self.anchors, rng, picked)

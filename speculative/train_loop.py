@@ -29,6 +29,9 @@ from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.train_checkpoint import (SHARD_BYTES, find_checkpoint, optimizer_state_dict, optimizer_tensors,
                                           read_checkpoint, read_manifest, write_checkpoint)
 from speculative.train_data import PairBatcher, TrainBatch
+from speculative.train_features import FeatureCache
+
+FEATURE_MODES = ("cached", "online")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class TrainConfig:
     stop_at_step: int = 0                  # > 0: stop (checkpoint written) at this step, to be resumed
     checkpoint_shard_bytes: int = SHARD_BYTES
     keep_checkpoints: int = 1
+    target_features: str = "cached"        # "cached": the target runs once per pair before training (FeatureCache);
+                                           # "online": inside every step
+    compile: bool = True                   # torch.compile the drafter's loss (CUDA only)
 
 
 class TargetModel(Protocol):
@@ -180,13 +186,32 @@ class Trainer:
         self.peak_flops = cfg.peak_flops or device_peak_flops(self.device)
         self.save_seconds: Optional[float] = None
         self.stopped_early = False
+        if cfg.target_features not in FEATURE_MODES:
+            raise ValueError(f"target_features must be one of {FEATURE_MODES}, not {cfg.target_features!r}")
         os.makedirs(out_dir, exist_ok=True)
         torch.manual_seed(cfg.seed)
         source = self._newest_checkpoint(resume_from)
         if source:
             self.resume(source)
+        self.features = self._cache_features() if cfg.target_features == "cached" else None
         self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma)
         self.model = wrap(self.loss_module) if wrap else self.loss_module
+        if cfg.compile and self.device.type == "cuda":
+            self.model = torch.compile(self.model)
+
+    def _autocast(self):
+        return torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
+
+    def _cache_features(self) -> FeatureCache:
+        start = time.perf_counter()
+        with self._autocast():
+            cache = FeatureCache(self.target.hidden, self.batcher.pairs, self.cfg.seq_len, self.device)
+        self.feature_seconds = time.perf_counter() - start
+        if self.rank == 0:
+            print(f"target features: {cache.total:,} tokens cached ({cache.nbytes / 2**30:.2f} GiB, "
+                  f"{'on the device' if cache.on_device else 'in host memory'}) in {self.feature_seconds:.1f} s",
+                  flush=True)
+        return cache
 
     def _newest_checkpoint(self, resume_from: Optional[str]) -> Optional[str]:
         """`resume_from`'s checkpoint, unless this run's own is as far or further (so a call repeated with the
@@ -224,9 +249,8 @@ class Trainer:
         lam = self.lambda_at(self.step)
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(self.step)
-        autocast = torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
-        with autocast:
-            hidden = self.target.hidden(batch.input_ids)
+        with self._autocast():
+            hidden = self.features.gather(batch) if self.features is not None else self.target.hidden(batch.input_ids)
             losses = self.model(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, hidden,
                                 self.target.embed_weight, self.target.lm_head_weight)
             loss = (1 - lam) * losses["final"] + lam * losses["base"]

@@ -105,6 +105,10 @@ def test_a_run_stopped_at_step_10_resumes_to_the_uninterrupted_losses(tiny_setup
                         target=target, layers=1, block_size=4, resume=resume, deadline=deadline)
     whole = train_worker(job("local-whole"), 0, 1, cpu)
     assert whole.finished and os.path.exists(root / "local-whole" / "drafter" / "config.json")
+    assert whole.features is not None and whole.features.total > 0
+    online = train_worker(job("local-online", target_features="online"), 0, 1, cpu)
+    assert online.features is None
+    assert_same_losses(log_records(root / "local-online"), log_records(root / "local-whole"))
     main(train_args(root, target, "local-first", "--launcher", "local", "--workers", "1", "--stop-at-step", "10",
                     "--checkpoint-every", "1000"))
     assert not os.path.exists(root / "local-first" / "drafter")
@@ -118,6 +122,27 @@ def test_a_run_stopped_at_step_10_resumes_to_the_uninterrupted_losses(tiny_setup
     hurried = train_worker(job("local-hurried", deadline=time.time()), 0, 1, cpu)
     assert hurried.stopped_early and hurried.step == 1                   # out of time: one step, checkpointed
     assert find_checkpoint(str(root / "local-hurried")).endswith("step-00000001")
+
+
+def test_cached_features_equal_the_targets_hidden_states_of_each_batch(tiny_setup):
+    """FeatureCache: the target run once over the pairs (grouped by length, a few per pass) gives, for any batch,
+    the rows the online step computes from the batch itself, and zeros at the padding columns."""
+    from speculative.train_data import PairBatcher, read_pairs
+    from speculative.train_features import FeatureCache
+    from speculative.train_loop import load_hf_target
+    root, target_path = tiny_setup
+    target, _ = load_hf_target(str(target_path), (0, 1), torch.device("cpu"), torch.float32)
+    pairs = read_pairs(str(root / "pairs.jsonl"), 0, 1)
+    cache = FeatureCache(target.hidden, pairs, 32, torch.device("cpu"), tokens_per_pass=100)
+    assert cache.total == sum(min(len(p) + len(r), 32) for p, r in pairs) and cache.on_device
+    batcher = PairBatcher(pairs, 5, 32, 4, seed=1)
+    for _ in range(3):
+        batch = batcher.next()
+        got, want = cache.gather(batch), target.hidden(batch.input_ids)
+        lengths = [min(len(pairs[i][0]) + len(pairs[i][1]), 32) for i in batch.pair_ids]
+        for row, n in enumerate(lengths):
+            assert torch.allclose(got[row, :n], want[row, :n], atol=1e-5)
+            assert not got[row, n:].any()
 
 
 @pytest.mark.timeout(480)
@@ -142,5 +167,5 @@ def test_two_gloo_workers_resume_from_a_checkpoint_to_the_same_losses(ray_cluste
     assert_same_losses(resumed, whole)                    # steps 1-10 came with the checkpoint's log
     assert whole[-1]["loss"] < whole[0]["loss"]
     run = json.load(open(root / "resumed" / "run.json"))
-    assert run["result"]["finished"] and run["workers"] == 2 and run["target_features"].startswith("online")
+    assert run["result"]["finished"] and run["workers"] == 2 and run["target_features"].startswith("cached")
     assert run["mfu_note"] and os.path.exists(root / "resumed" / "drafter" / "config.json")
