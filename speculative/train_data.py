@@ -164,27 +164,28 @@ class TrainBatch:
     anchors: Tensor        # [B, A] block roots: slot k of a block predicts the token at anchor + 1 + k
     anchor_valid: Tensor   # [B, A] bool
     num_tokens: int = 0    # prompt + response tokens in the batch, padding not counted
+    width: int = 0         # the longest sequence rounded up to PAD_MULTIPLE (input_ids may be padded further)
     pair_ids: tuple[int, ...] = ()   # each row's index in the batcher's pairs (the feature cache's key)
 
     def to(self, device) -> "TrainBatch":
         return TrainBatch(*(t.to(device) for t in (self.input_ids, self.loss_mask, self.anchors, self.anchor_valid)),
-                          num_tokens=self.num_tokens, pair_ids=self.pair_ids)
+                          num_tokens=self.num_tokens, width=self.width, pair_ids=self.pair_ids)
 
 
 PAD_MULTIPLE = 64     # a batch is as wide as its longest sequence, rounded up to this (few distinct shapes)
 
 
 def make_batch(pairs: Sequence[Pair], seq_len: int, anchors_per_seq: int, rng: random.Random,
-               pair_ids: Sequence[int] = ()) -> TrainBatch:
+               pair_ids: Sequence[int] = (), full_width: bool = False) -> TrainBatch:
     """Random anchors per sequence, at positions whose next token is a response token (and a >= 1, so every
     block has some target context strictly before its root). Sequences are cut to `seq_len`; the batch is padded
     only to its longest sequence (rounded up to PAD_MULTIPLE), since the target and the drafter's context run
-    over every column."""
+    over every column, or to `seq_len` with `full_width` (one shape for every batch)."""
     b = len(pairs)
     seqs = [(list(prompt) + list(response))[:seq_len] for prompt, response in pairs]
     width = min(seq_len, -(-max(len(seq) for seq in seqs) // PAD_MULTIPLE) * PAD_MULTIPLE)
-    ids = torch.zeros(b, width, dtype=torch.long)
-    mask = torch.zeros(b, width, dtype=torch.bool)
+    ids = torch.zeros(b, seq_len if full_width else width, dtype=torch.long)
+    mask = torch.zeros(b, seq_len if full_width else width, dtype=torch.bool)
     anchors = torch.zeros(b, anchors_per_seq, dtype=torch.long)
     valid = torch.zeros(b, anchors_per_seq, dtype=torch.bool)
     for i, ((prompt, _), seq) in enumerate(zip(pairs, seqs)):
@@ -194,7 +195,8 @@ def make_batch(pairs: Sequence[Pair], seq_len: int, anchors_per_seq: int, rng: r
         picked = sorted(rng.sample(choices, min(anchors_per_seq, len(choices))))
         anchors[i, :len(picked)] = torch.tensor(picked, dtype=torch.long)
         valid[i, :len(picked)] = True
-    return TrainBatch(ids, mask, anchors, valid, num_tokens=sum(len(seq) for seq in seqs), pair_ids=tuple(pair_ids))
+    return TrainBatch(ids, mask, anchors, valid, num_tokens=sum(len(seq) for seq in seqs), width=width,
+                      pair_ids=tuple(pair_ids))
 
 
 class PairBatcher:
@@ -205,6 +207,7 @@ class PairBatcher:
             raise ValueError("no training pairs")
         self.pairs, self.batch_size, self.seq_len, self.anchors = list(pairs), batch_size, seq_len, anchors_per_seq
         self.seed, self.epoch, self.cursor = seed, 0, 0
+        self.full_width = False          # every batch seq_len wide (a compiled loss sees one shape)
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
@@ -226,4 +229,4 @@ class PairBatcher:
             picked.append(order[self.cursor])
             self.cursor += 1
         rng = random.Random((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.cursor)
-        return make_batch([self.pairs[i] for i in picked], self.seq_len, self.anchors, rng, picked)
+        return make_batch([self.pairs[i] for i in picked], self.seq_len, self.anchors, rng, picked, self.full_width)

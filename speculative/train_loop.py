@@ -58,7 +58,7 @@ class TrainConfig:
     keep_checkpoints: int = 1
     target_features: str = "cached"        # "cached": the target runs once per pair before training (FeatureCache);
                                            # "online": inside every step
-    compile: bool = True                   # torch.compile the drafter's loss (CUDA only)
+    compile: bool = False                  # torch.compile the drafter's loss (CUDA only; every batch seq_len wide)
 
 
 class TargetModel(Protocol):
@@ -197,7 +197,10 @@ class Trainer:
         self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma)
         self.model = wrap(self.loss_module) if wrap else self.loss_module
         if cfg.compile and self.device.type == "cuda":
-            self.model = torch.compile(self.model)
+            # One shape: on the H200 (torch 2.11) a compiled run whose batch widths varied segfaulted while
+            # AOTAutograd saved a backward into its cache; with every batch one static shape it compiled and ran.
+            self.batcher.full_width = True
+            self.model = torch.compile(self.model, dynamic=False)
 
     def _autocast(self):
         return torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
@@ -243,8 +246,8 @@ class Trainer:
         return c.lambda_base_start + (c.lambda_base_end - c.lambda_base_start) * frac
 
     def train_step(self) -> dict[str, Tensor]:
-        """One step; besides the losses, `width` (the batch's padded length, for its FLOPs) and `tokens` (its
-        prompt + response tokens) as host numbers."""
+        """One step; besides the losses, `width` (the batch's longest sequence, rounded up: what its FLOPs are
+        counted at, padding past it not counted) and `tokens` (its prompt + response tokens) as host numbers."""
         batch = self.batcher.next().to(self.device)
         lam = self.lambda_at(self.step)
         for group in self.opt.param_groups:
@@ -260,7 +263,7 @@ class Trainer:
         self.opt.step()
         self.step += 1
         return {"loss": loss.detach(), **{k: v.detach() for k, v in losses.items()},
-                "width": batch.input_ids.shape[1], "tokens": batch.num_tokens}
+                "width": batch.width, "tokens": batch.num_tokens}
 
     def train(self) -> list[dict]:
         """Train to `cfg.steps`, or until `stop_at_step` or the time budget; the last step is checkpointed.

@@ -8,7 +8,7 @@ import torch
 from speculative.acceptance import accept
 from speculative.drafter import DominoDrafter, DraftContext, DrafterConfig, evenly_spaced_layers
 from speculative.train import HFTarget, TrainConfig, Trainer, block_losses, step_flops, training_mask
-from speculative.train_data import (PAD_MULTIPLE, PairBatcher, TrainBatch, in_heldout, iter_sharegpt, make_batch, read_pairs,
+from speculative.train_data import (PAD_MULTIPLE, PairBatcher, in_heldout, iter_sharegpt, make_batch, read_pairs,
                                     write_pairs)
 from speculative.draft_tree import TreeConfig
 from speculative.tree import prepare_round
@@ -230,18 +230,19 @@ def test_anchor_batches_and_resumable_order():
 
 def test_a_batch_is_padded_to_its_longest_sequence_only():
     """The width is the longest sequence rounded up to PAD_MULTIPLE, never past seq_len; the token count leaves
-    the padding out; a batch of the same pairs padded to seq_len gives the same losses (the padding is masked)."""
+    the padding out; the same batch padded to seq_len (`full_width`, for a compiled loss) gives the same losses
+    (the padding is masked)."""
     pairs = [([3] * 5, [4] * 30), ([3] * 7, [4] * 50)]
     batch = make_batch(pairs, 1024, 4, random.Random(0))
-    assert batch.input_ids.shape == (2, PAD_MULTIPLE) and batch.num_tokens == 35 + 57
+    assert batch.input_ids.shape == (2, PAD_MULTIPLE) and batch.num_tokens == 35 + 57 and batch.width == PAD_MULTIPLE
     assert make_batch(pairs, 40, 4, random.Random(0)).input_ids.shape == (2, 40)
     cfg = DrafterConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                         num_kv_heads=1, head_dim=16, target_layer_ids=(0,), block_size=4, gru_hidden=8,
                         correction_rank=4)
     torch.manual_seed(0)
     drafter, embed = DominoDrafter(cfg), torch.randn(64, 32)
-    pad = torch.nn.functional.pad
-    wide = TrainBatch(pad(batch.input_ids, (0, 64)), pad(batch.loss_mask, (0, 64)), batch.anchors, batch.anchor_valid)
+    wide = make_batch(pairs, 128, 4, random.Random(0), full_width=True)
+    assert wide.input_ids.shape == (2, 128) and wide.width == PAD_MULTIPLE and torch.equal(wide.anchors, batch.anchors)
     hidden = torch.randn(2, 128, 32)
     narrow_losses = block_losses(drafter, batch, hidden[:, :PAD_MULTIPLE], embed, embed, 7.0)
     wide_losses = block_losses(drafter, wide, hidden, embed, embed, 7.0)
