@@ -1,0 +1,140 @@
+"""Drafter training throughput: the product Trainer (speculative/train_loop.py) per configuration, its own log.
+
+    python -m bench.drafter_train [--device auto] [--configs online:16:32,cached:16:32] [--steps 30]
+        [--log-every 10] [--pairs 2048] [--seed 0] [--out bench/results/drafter_train.json]
+    python -m bench.drafter_train --device cpu --layers 2 --configs online:2:4,cached:2:4 --steps 4 --log-every 2
+        --pairs 16   (smoke)
+
+Target: the bundled drafter's target shape (speculative/drafters/smollm2-135m-instruct/target.json) with random
+bf16 weights (float32 on the CPU): a step's time does not depend on weight values. Drafter: the bundled one's
+shape (2 layers, block 16). Pairs: synthetic token ids with the regenerated ShareGPT data's lengths (prompt
+20-300, response 60-512 tokens, uniform), so batches pad as real ones do.
+
+A configuration is `features:batch:anchors[:compile]` (features `online` or `cached`). Each runs `--steps` steps
+through `Trainer.train`; its first logging window (warm-up: allocator, cuDNN plans, the compile) is dropped and
+the rest averaged. Counted, as the Trainer logs them: step_ms, MFU (the drafter's forward and backward FLOPs
+at each batch's longest sequence over the device's bf16 dense peak; the target's forward not counted),
+sequence and query tokens per second, peak memory; for `cached`, the seconds the feature cache took to build.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from bench.provenance import provenance
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPE = REPO / "speculative" / "drafters" / "smollm2-135m-instruct" / "target.json"
+KEYS = ("step_ms", "mfu", "seq_tokens_per_s", "query_tokens_per_s")
+
+
+def random_target(device: torch.device, layers: Optional[int]):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    shape = json.loads(SHAPE.read_text())["shape"]
+    hf = LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                     intermediate_size=shape["intermediate_size"],
+                     num_hidden_layers=layers or shape["num_hidden_layers"],
+                     num_attention_heads=shape["num_attention_heads"],
+                     num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
+                     tie_word_embeddings=True, max_position_embeddings=8192)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return LlamaForCausalLM(hf).to(device, dtype), hf
+
+
+def synthetic_pairs(count: int, seed: int) -> list:
+    rng = random.Random(seed)
+    vocab = json.loads(SHAPE.read_text())["shape"]["vocab_size"]
+    return [([rng.randrange(vocab) for _ in range(rng.randint(20, 300))],
+             [rng.randrange(vocab) for _ in range(rng.randint(60, 512))]) for _ in range(count)]
+
+
+def parse_config(text: str) -> dict:
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in ("online", "cached") or (len(parts) == 4 and parts[3] != "compile"):
+        raise argparse.ArgumentTypeError(f"{text!r}: want features:batch:anchors[:compile]")
+    return {"target_features": parts[0], "batch_size": int(parts[1]), "anchors_per_seq": int(parts[2]),
+            "compile": len(parts) == 4}
+
+
+def run_config(model, hf, pairs, device, spec: dict, steps: int, log_every: int, seed: int) -> dict:
+    from replicas.config import ModelConfig
+    from speculative.drafter import DominoDrafter, DrafterConfig
+    from speculative.train_data import PairBatcher
+    from speculative.train_loop import HFTarget, TrainConfig, Trainer
+    cfg = TrainConfig(steps=steps, seq_len=1024, log_every=log_every, checkpoint_every=10 ** 9, warmup_steps=10,
+                      seed=seed, **spec)
+    dcfg = DrafterConfig.for_target(ModelConfig.from_hf(hf.to_dict()), num_layers=2, block_size=16)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(DominoDrafter(dcfg).to(device), HFTarget(model, dcfg.target_layer_ids),
+                          PairBatcher(pairs, cfg.batch_size, cfg.seq_len, cfg.anchors_per_seq, seed=seed), cfg, out)
+        records = trainer.train()
+    timed = records[1:]
+    result = {**spec, "steps": steps, "windows": len(timed),
+              **{k: statistics.mean(r[k] or 0.0 for r in timed) for k in KEYS},
+              "peak_memory_gib": records[-1]["peak_memory_gib"],
+              "feature_cache_s": getattr(trainer, "feature_seconds", None),
+              "feature_cache_gib": trainer.features.nbytes / 2 ** 30 if trainer.features is not None else None,
+              "wall_s": time.perf_counter() - start}
+    del trainer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m bench.drafter_train", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--configs", type=lambda s: [parse_config(c) for c in s.split(",")],
+                   default="online:16:32,cached:16:32")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--pairs", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=None, help="target layers (default: the shape's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "drafter_train.json")
+    args = p.parse_args(argv)
+    if args.steps < 2 * args.log_every:
+        p.error("--steps must be at least two logging windows (the first is the warm-up)")
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    model, hf = random_target(device, args.layers)
+    pairs = synthetic_pairs(args.pairs, args.seed)
+    rows = []
+    for spec in args.configs:
+        row = run_config(model, hf, pairs, device, spec, args.steps, args.log_every, args.seed)
+        rows.append(row)
+        mfu = f"{row['mfu']:.2%}" if row["mfu"] else "n/a"
+        print(f"{row['target_features']:>6} b{row['batch_size']} A{row['anchors_per_seq']}"
+              f"{' compiled' if row['compile'] else ''}: {row['step_ms']:8.1f} ms/step  mfu {mfu}  "
+              f"{row['seq_tokens_per_s']:,.0f} seq tok/s  {row['query_tokens_per_s']:,.0f} query tok/s", flush=True)
+    by = {(r["target_features"], r["batch_size"], r["anchors_per_seq"], r["compile"]): r for r in rows}
+    speedup = {f"b{b}_a{a}{'_compiled' if c else ''}": by[("online", b, a, c)]["step_ms"] / r["step_ms"]
+               for (f, b, a, c), r in by.items() if f == "cached" and ("online", b, a, c) in by}
+    result = {"device": str(device), "target": f"{json.loads(SHAPE.read_text())['name']} shape, random weights",
+              "target_layers": hf.num_hidden_layers, "pairs": args.pairs, "configs": rows,
+              "cached_over_online_speed": speedup, "method": __doc__,
+              "provenance": provenance("bench.drafter_train", argv, str(device), args.seed,
+                                       warm_up=f"the first logging window ({args.log_every} steps) of each "
+                                               "configuration is dropped",
+                                       counted="the Trainer's own log windows after the warm-up, averaged")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"cached / online step speed: {speedup}; wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
