@@ -112,22 +112,24 @@ class GuidedDecoding:
     def catch_up(self, seqs: Seq["Sequence"], broken: list) -> None:
         """Bring every matcher in line with its sequence's output tokens: the ones one token behind in one batched
         accept, the others one by one (`sync`); a sequence whose tokens do not match goes to `broken`."""
-        behind = [s for s in seqs if s.grammar.num_tokens == s.num_output_tokens - 1]
-        if behind:
-            accepted = self.cache.backend.accept([s.grammar.matcher for s in behind], [s.token_ids[-1] for s in behind])
-            for seq, ok in zip(behind, accepted):
-                if ok:
-                    seq.grammar.num_tokens += 1
-                else:
-                    broken.append((seq, GrammarError(f"token {seq.token_ids[-1]} of the output does not match "
-                                                     "the grammar")))
-        failed = {id(seq) for seq, _ in broken}
+        behind, tokens = [], []
         for seq in seqs:
-            if id(seq) not in failed:
+            lag = len(seq.token_ids) - seq.num_prompt_tokens - seq.grammar.num_tokens
+            if lag == 1:
+                behind.append(seq)
+                tokens.append(seq.token_ids[-1])
+            elif lag:
                 try:
                     self.sync(seq)
                 except GrammarError as e:
                     broken.append((seq, e))
+        if behind:
+            accepted = self.cache.backend.accept([seq.grammar.matcher for seq in behind], tokens)
+            for seq, token, ok in zip(behind, tokens, accepted):
+                if ok:
+                    seq.grammar.num_tokens += 1
+                else:
+                    broken.append((seq, GrammarError(f"token {token} of the output does not match the grammar")))
 
     def sync(self, seq: "Sequence") -> None:
         """Bring the matcher in line with the sequence's output tokens (GrammarError if they do not match)."""
