@@ -3,7 +3,7 @@
 Per step (replicas/engine.py, `LLMEngine._run`), for the constrained sequences that sample in it, all on the
 engine's thread:
   1. `token_mask(seqs, rows, broken)`, once the forward is launched: each matcher catches up with its sequence's
-     tokens (the last step's sampled tokens, accepted here in one batched call), the step's bitmask rows are
+     tokens (the last step's sampled tokens, accepted here in one backend call), the step's bitmask rows are
      filled into a host buffer and copied to the logits' device (from pinned memory, asynchronously, on CUDA);
      the sampler applies them (replicas/structured/bitmask.py). On CUDA `runner.execute` returns once the
      forward is enqueued, so the accept and the fill run while the device computes; on the CPU the forward has
@@ -22,7 +22,7 @@ its own few microseconds a row and nothing else.
 Invariant: a matcher has accepted a prefix of its sequence's output tokens, `state.num_tokens` of them. A
 sequence's output only grows at its end or is cut back to a prefix; a preempted sequence recomputes its KV and
 keeps its tokens, so its matcher stands. `catch_up` rolls a matcher back to its sequence's tokens or accepts the
-ones it has not seen (the common case: one token, batched over the step's sequences), so whatever changed a
+ones it has not seen (the common case: one token, in one backend call for the step's sequences), so whatever changed a
 sequence's tokens leaves its grammar state right before its next row is filled.
 
 One host bitmask buffer serves every step: a step's copy to the device is complete before the next step fills the
@@ -110,8 +110,8 @@ class GuidedDecoding:
         return [(seqs[i], int(ids[i])) for i in np.flatnonzero(allowed == 0)]
 
     def catch_up(self, seqs: Seq["Sequence"], broken: list) -> None:
-        """Bring every matcher in line with its sequence's output tokens: the ones one token behind in one batched
-        accept, the others one by one (`sync`); a sequence whose tokens do not match goes to `broken`."""
+        """Bring every matcher in line with its sequence's output tokens: the ones one token behind in one backend
+        `accept` call, the others one by one (`sync`); a sequence whose tokens do not match goes to `broken`."""
         behind, tokens = [], []
         for seq in seqs:
             lag = len(seq.token_ids) - seq.num_prompt_tokens - seq.grammar.num_tokens
