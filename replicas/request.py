@@ -7,7 +7,7 @@ from typing import Optional, Sequence as Seq
 
 from replicas.outputs import CompletionOutput, RequestOutput
 from replicas.sampling_params import SamplingParams, SamplingParamsError
-from replicas.sequence import Sequence
+from replicas.sequence import Sequence, SequenceStatus
 
 
 class RequestError(ValueError):
@@ -97,7 +97,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:                   # n = 1, the common case: asked several times per sequence per step
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.is_finished for s in seqs)
 
     def make_output(self) -> RequestOutput:
         outs = []

@@ -104,6 +104,13 @@ class Scheduler:
             seq = running[i]
             d = self._drafts(seq, budget)
             n = 1 + d if d else min(seq.num_uncomputed_tokens, budget)
+            if not bm.blocks_needed(seq, n):        # fits its blocks (most decode steps): nothing to allocate
+                seqs.append(seq)
+                counts.append(n)
+                drafts.append(d)
+                budget -= n
+                i += 1
+                continue
             while not bm.can_allocate(seq, n):
                 victim = running.pop()              # newest first
                 self.preempt(victim)
