@@ -83,7 +83,7 @@ def run_config(model, hf, pairs, device, spec: dict, steps: int, log_every: int,
     result = {**spec, "steps": steps, "windows": len(timed),
               **{k: statistics.mean(r[k] or 0.0 for r in timed) for k in KEYS},
               "peak_memory_gib": records[-1]["peak_memory_gib"],
-              "feature_cache_s": getattr(trainer, "feature_seconds", None),
+              "feature_cache_s": trainer.feature_seconds,
               "feature_cache_gib": trainer.features.nbytes / 2 ** 30 if trainer.features is not None else None,
               "wall_s": time.perf_counter() - start}
     del trainer

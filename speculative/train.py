@@ -141,7 +141,8 @@ def run(args, argv: Optional[list[str]] = None) -> int:
         regenerated = _regenerate(args, use_gpu, local, deadline) if args.regenerate else None
         record = {"command": sys.argv[:1] + list(argv if argv is not None else sys.argv[1:]),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                  "data": _data_record(args, previous, regenerated), "target_features": FEATURE_NOTES[cfg.target_features],
+                  "data": _data_record(args, previous, regenerated),
+                  "target_features": FEATURE_NOTES[cfg.target_features],
                   "launcher": "local" if local else "ray", "workers": workers, "device": "cuda" if use_gpu else "cpu",
                   "peak_flops_per_device": peak,
                   "mfu_note": None if peak else "no MFU: no peak FLOP/s known for this device; pass --peak-flops",

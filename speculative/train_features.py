@@ -74,10 +74,9 @@ class FeatureCache:
         """The features of `batch`'s rows [B, T, F], zero at padding columns, on the training device."""
         b, width = batch.input_ids.shape
         cols = np.arange(width)
-        lengths = self.lengths[list(batch.pair_ids)]
-        index = np.where(cols[None, :] < lengths[:, None], self.offsets[list(batch.pair_ids)][:, None] + cols, self.total)
+        rows = list(batch.pair_ids)
+        index = np.where(cols[None, :] < self.lengths[rows][:, None], self.offsets[rows][:, None] + cols, self.total)
         index = torch.from_numpy(index.reshape(-1))
         if self.flat.is_cuda:
             index = index.to(self.flat.device, non_blocking=True)
-        rows = self.flat.index_select(0, index)
-        return rows.view(b, width, -1).to(self.device, non_blocking=True)
+        return self.flat.index_select(0, index).view(b, width, -1).to(self.device, non_blocking=True)

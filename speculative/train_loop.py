@@ -185,6 +185,7 @@ class Trainer:
         self.deadline = deadline or (time.time() + cfg.max_seconds if cfg.max_seconds else None)
         self.peak_flops = cfg.peak_flops or device_peak_flops(self.device)
         self.save_seconds: Optional[float] = None
+        self.feature_seconds: Optional[float] = None
         self.stopped_early = False
         if cfg.target_features not in FEATURE_MODES:
             raise ValueError(f"target_features must be one of {FEATURE_MODES}, not {cfg.target_features!r}")
@@ -305,8 +306,8 @@ class Trainer:
 
     def _log(self, out: dict[str, Tensor], window: dict, elapsed: float) -> tuple[dict, bool]:
         """Average the step's metrics over the workers (a collective: every worker calls it at the same steps)
-        and agree on stopping; rank 0 appends the record to the log and prints a progress line. Throughput and
-        MFU are rank 0's window (every worker's shapes are alike), times the number of workers."""
+        and agree on stopping; rank 0 appends the record to the log and prints a progress line. Tokens/s are rank
+        0's window times the number of workers, MFU rank 0's (the workers' batches are drawn alike)."""
         c, names, steps = self.cfg, list(out), window["steps"]
         stop_vote = float(self._out_of_time(elapsed / steps))
         values = torch.stack([out[k].float() for k in names] + [torch.tensor(stop_vote, device=self.device)])

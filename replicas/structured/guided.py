@@ -22,8 +22,8 @@ its own few microseconds a row and nothing else.
 Invariant: a matcher has accepted a prefix of its sequence's output tokens, `state.num_tokens` of them. A
 sequence's output only grows at its end or is cut back to a prefix; a preempted sequence recomputes its KV and
 keeps its tokens, so its matcher stands. `catch_up` rolls a matcher back to its sequence's tokens or accepts the
-ones it has not seen (the common case: one token, in one backend call for the step's sequences), so whatever changed a
-sequence's tokens leaves its grammar state right before its next row is filled.
+ones it has not seen (the common case: one token, in one backend call for the step's sequences), so whatever
+changed a sequence's tokens leaves its grammar state right before its next row is filled.
 
 One host bitmask buffer serves every step: a step's copy to the device is complete before the next step fills the
 buffer again, since the engine reads the step's sampled tokens back (a sync) in between.
