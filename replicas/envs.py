@@ -43,11 +43,14 @@ DRAFTER_GRAPHS = EnvVar("TIDAL_DRAFTER_GRAPHS", "1",
                         "0: the speculative drafter runs eagerly (no CUDA graphs for the draft side)")
 STATIC_DRAFT = EnvVar("TIDAL_STATIC_DRAFT", "1",
                       "0: only the drafter pass is graphed; the draft context update and gather run eagerly")
+FUSED_SAMPLING = EnvVar("TIDAL_FUSED_SAMPLING", "0",
+                        "1: random (temperature > 0) rows on CUDA draw their Gumbel-max sample in one fused Triton "
+                        "kernel (replicas/kernels/gumbel.py) instead of the torch ops (the same tokens)")
 ELASTIC_CYCLES = EnvVar("TIDAL_ELASTIC_CYCLES", "10000",
                         "tests/gpu/test_elastic_gpu.py: lend/reclaim cycles of the elastic KV stress test")
 
 REGISTRY: tuple[EnvVar, ...] = (API_KEY, DEFAULT_MODEL, STREAM_ITEM_MS, SKINNY_GEMM, DRAFTER_GRAPHS, STATIC_DRAFT,
-                                ELASTIC_CYCLES)
+                                FUSED_SAMPLING, ELASTIC_CYCLES)
 
 
 def api_key() -> Optional[str]:
@@ -76,6 +79,10 @@ def drafter_graphs() -> bool:
 
 def static_draft() -> bool:
     return STATIC_DRAFT.switch()
+
+
+def fused_sampling() -> bool:
+    return FUSED_SAMPLING.raw() == "1"
 
 
 def elastic_cycles() -> int:

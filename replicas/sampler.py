@@ -23,6 +23,8 @@ Order of processing, all batched torch ops on the logits' device:
    argmax(logits + g), g = -log(-log u), u from a counter-based hash of (seed, position, token id).
    Fast paths (flags set by SamplingBatch.build): an all-greedy batch does only argmax; top-k and
    top-p cost one torch.topk of width max(top_k), or one full sort when a row uses top-p alone.
+   With TIDAL_FUSED_SAMPLING=1 on CUDA, the noise, the add and the argmax are one Triton kernel
+   (replicas/kernels/gumbel.py): the same hash in uint32 registers instead of int64 [R, V] passes.
 
 Reproducibility: u depends only on the row's 64-bit seed, the position of the token being sampled
 and the vocabulary index, computed with exact 32-bit integer arithmetic held in int64 (every
@@ -46,6 +48,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from replicas import envs
 from replicas.sampling_batch import PenaltyState, SamplingBatch
 from replicas.structured.bitmask import apply_token_bitmask_
 
@@ -123,9 +126,12 @@ def first_max_index(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    def __init__(self):
+    def __init__(self, fused: Optional[bool] = None):
+        """fused: sample random rows on CUDA with the fused kernel (replicas/kernels/gumbel.py); default
+        TIDAL_FUSED_SAMPLING."""
         super().__init__()
         self._codes: Optional[torch.Tensor] = None
+        self.fused = envs.fused_sampling() if fused is None else fused
 
     @torch.inference_mode()         # the runner's logits are inference tensors, and the grammar mask writes into them
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -169,8 +175,11 @@ class Sampler(nn.Module):
             # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p); min_p = 0 gives -inf (keep all).
             cut = logits.amax(dim=-1, keepdim=True) + torch.log(batch.min_p).unsqueeze(1)
             logits = logits.masked_fill(logits < cut, float("-inf"))
-        noise = gumbel_noise(row_keys(batch.seed_lo, batch.seed_hi, batch.positions),
-                             self._vocab_codes(logits.shape[-1], logits.device))
+        keys = row_keys(batch.seed_lo, batch.seed_hi, batch.positions)
+        if logits.is_cuda and self.fused:
+            from replicas.kernels.gumbel import gumbel_argmax
+            return gumbel_argmax(logits.contiguous(), keys, _VOCAB_SALT)
+        noise = gumbel_noise(keys, self._vocab_codes(logits.shape[-1], logits.device))
         return first_max_index(noise.add_(logits))
 
     def _vocab_codes(self, vocab_size: int, device) -> torch.Tensor:

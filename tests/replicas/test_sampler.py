@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.sampler import (Sampler, apply_penalties, counter_uniforms, first_max_index, mix32, row_keys,
-                              vocab_codes)
+from replicas.sampler import (_VOCAB_SALT, Sampler, apply_penalties, counter_uniforms, first_max_index,
+                              gumbel_noise, mix32, row_keys, vocab_codes)
 from replicas.sampling_batch import SamplingBatch
 from replicas.sampling_params import SamplingParams
 from replicas.structured.bitmask import TokenMask, allowed_tokens, apply_token_bitmask_, pack_allowed
@@ -418,6 +418,42 @@ def test_cuda_grammar_bitmask_and_logit_bias_equal_cpu():
     gpu = Sampler()(gpu_logits.clone(), build(params, vocab=70, device="cuda", token_mask=gpu_mask)).token_ids
     assert torch.equal(cpu, gpu.cpu())
     assert torch.equal(apply_token_bitmask_(cpu_logits, cpu_mask), apply_token_bitmask_(gpu_logits, gpu_mask).cpu())
+
+
+def test_fused_gumbel_kernel_equals_the_torch_sample():
+    """replicas/kernels/gumbel.py (Triton; on the CPU under TRITON_INTERPRET) picks the token the torch path
+    picks from the same scores and keys: several vocabulary blocks, a row of -inf, a row masked past a prefix,
+    a row with NaNs (the first NaN, as torch.argmax), keys of any seed and position."""
+    from replicas.kernels.gumbel import BLOCK, gumbel_argmax
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 24, 2 * BLOCK + 77
+    scores = torch.randn(rows, vocab, generator=g) * 4
+    scores[3] = float("-inf")
+    scores[4, 100:] = float("-inf")
+    scores[5, 17], scores[5, 900] = float("nan"), float("nan")
+    seeds = torch.randint(0, 2**32, (2, rows), generator=g)
+    keys = row_keys(seeds[0], seeds[1], torch.randint(0, 100_000, (rows,), generator=g))
+    want = first_max_index(gumbel_noise(keys, vocab_codes(vocab, "cpu")).add_(scores))
+    got = gumbel_argmax(scores, keys, _VOCAB_SALT)
+    assert torch.equal(got, want) and got[3] == 0 and got[5] == 17 and got[4] < 100
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_sampling_equals_the_torch_ops():
+    """TIDAL_FUSED_SAMPLING's kernel on CUDA against the torch ops, on a batch of every kind of random row
+    (top-k, top-p, min-p, penalties) at a real vocabulary width."""
+    V = 49152
+    logits = torch.randn(len(REQUESTS) * 8, V, generator=torch.Generator().manual_seed(7)).cuda() * 3
+    params, seeds, positions = zip(*(REQUESTS * 8))
+    seeds = [s + 7919 * i for i, s in enumerate(seeds)]
+    outputs, prompts = [[1, 2, 3]] * len(params), [[4, 5]] * len(params)
+
+    def batch():
+        return build(list(params), seeds, list(positions), outputs, prompts, vocab=V, device="cuda")
+    torch_ops = Sampler(fused=False)(logits.clone(), batch()).token_ids
+    fused = Sampler(fused=True)(logits.clone(), batch()).token_ids
+    assert torch.equal(torch_ops, fused)
 
 
 @pytest.mark.gpu
