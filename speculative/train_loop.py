@@ -186,6 +186,7 @@ class Trainer:
         self.peak_flops = cfg.peak_flops or device_peak_flops(self.device)
         self.save_seconds: Optional[float] = None
         self.feature_seconds: Optional[float] = None
+        self.local_tokens = 0                  # prompt + response tokens this worker has trained on, resumes included
         self.stopped_early = False
         if cfg.target_features not in FEATURE_MODES:
             raise ValueError(f"target_features must be one of {FEATURE_MODES}, not {cfg.target_features!r}")
@@ -275,7 +276,8 @@ class Trainer:
             out = self.train_step()
             window["steps"] += 1
             window["flops"] += step_flops(self.drafter.cfg, c.batch_size, out.pop("width"), c.anchors_per_seq)
-            window["tokens"] += out.pop("tokens")
+            window["tokens"] += out["tokens"]
+            self.local_tokens += out.pop("tokens")
             stop = bool(c.stop_at_step) and self.step >= c.stop_at_step
             if self.step % c.log_every == 0 or self.step == self.total_steps or stop:
                 if self.device.type == "cuda":
@@ -306,24 +308,27 @@ class Trainer:
 
     def _log(self, out: dict[str, Tensor], window: dict, elapsed: float) -> tuple[dict, bool]:
         """Average the step's metrics over the workers (a collective: every worker calls it at the same steps)
-        and agree on stopping; rank 0 appends the record to the log and prints a progress line. Tokens/s are rank
-        0's window times the number of workers, MFU rank 0's (the workers' batches are drawn alike)."""
+        and agree on stopping; rank 0 appends the record to the log and prints a progress line. Token counts are
+        summed over the workers; MFU is rank 0's (the workers' batches are drawn alike)."""
         c, names, steps = self.cfg, list(out), window["steps"]
         stop_vote = float(self._out_of_time(elapsed / steps))
         values = torch.stack([out[k].float() for k in names] + [torch.tensor(stop_vote, device=self.device)])
         peak = torch.tensor([self._peak_memory_bytes()], dtype=torch.float64, device=self.device)
+        counts = torch.tensor([window["tokens"], self.local_tokens], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(values)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            dist.all_reduce(counts)
             values[:-1] /= self.world_size
         *metrics, stop_votes = values.tolist()
+        window_tokens, tokens_seen = counts.tolist()
         sequences = steps * self.world_size * c.batch_size
         rec = {"step": self.step,
                **{f"{k}_loss" if k in ("final", "base") else k: round(v, 5) for k, v in zip(names, metrics)},
                "lr": self.lr_at(self.step - 1), "lambda_base": self.lambda_at(self.step - 1),
                "step_ms": elapsed / steps * 1e3,
                "query_tokens_per_s": sequences * c.anchors_per_seq * self.drafter.cfg.block_size / elapsed,
-               "seq_tokens_per_s": window["tokens"] * self.world_size / elapsed,
+               "seq_tokens_per_s": window_tokens / elapsed, "tokens_seen": int(tokens_seen),
                "mfu": window["flops"] / elapsed / self.peak_flops if self.peak_flops else None,
                "peak_memory_gib": peak.item() / 2**30}
         if self.rank == 0:
@@ -340,7 +345,7 @@ class Trainer:
         """Every worker's data position and RNG states, gathered; rank 0 writes the checkpoint."""
         start = time.perf_counter()
         cuda = self.device.type == "cuda"
-        mine = {"batcher": self.batcher.state(), "torch_rng": torch.get_rng_state(),
+        mine = {"batcher": self.batcher.state(), "tokens": self.local_tokens, "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device) if cuda else None}
         everyone = [mine]
         if self.world_size > 1:
@@ -356,7 +361,8 @@ class Trainer:
                     tensors[f"rng.cuda.{rank}"] = state["cuda_rng"]
             log_bytes = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
             meta = {"step": self.step, "finished": self.finished, "world_size": self.world_size,
-                    "batchers": [state["batcher"] for state in everyone], "optimizer": opt_meta,
+                    "batchers": [state["batcher"] for state in everyone],
+                    "tokens_by_worker": [state["tokens"] for state in everyone], "optimizer": opt_meta,
                     "config": asdict(self.cfg), "drafter_config": json.loads(self.drafter.cfg.to_json()),
                     "log_bytes": log_bytes}
             write_checkpoint(self.ckpt_parent, self.step, tensors, meta, self.cfg.checkpoint_shard_bytes,
@@ -373,6 +379,7 @@ class Trainer:
                                       if k.startswith("drafter.")})
         self.opt.load_state_dict(optimizer_state_dict(tensors, meta["optimizer"]))
         self.batcher.load_state(meta["batchers"][self.rank])
+        self.local_tokens = meta.get("tokens_by_worker", [0] * self.world_size)[self.rank]
         torch.set_rng_state(tensors[f"rng.torch.{self.rank}"])
         if self.device.type == "cuda" and f"rng.cuda.{self.rank}" in tensors:
             torch.cuda.set_rng_state(tensors[f"rng.cuda.{self.rank}"], self.device)

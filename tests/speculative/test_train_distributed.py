@@ -17,7 +17,7 @@ from tests.support.threads import one_thread  # noqa: F401  (autouse)
 
 SHARD_BYTES = 96 * 1024
 LOG_FIELDS = {"step", "loss", "final_loss", "base_loss", "accuracy", "accept_len", "lr", "lambda_base", "step_ms",
-              "query_tokens_per_s", "seq_tokens_per_s", "mfu", "peak_memory_gib"}
+              "query_tokens_per_s", "seq_tokens_per_s", "tokens_seen", "mfu", "peak_memory_gib"}
 
 
 @pytest.mark.timeout(20)
@@ -84,6 +84,7 @@ def log_records(folder):
 
 def assert_same_losses(a, b):
     assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert [r["tokens_seen"] for r in a] == [r["tokens_seen"] for r in b]     # carried through the checkpoint
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-5), x["step"]
         assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1e-4), x["step"]
@@ -164,6 +165,8 @@ def test_two_gloo_workers_resume_from_a_checkpoint_to_the_same_losses(ray_cluste
     assert [r["step"] for r in whole] == list(range(1, 21))
     assert all(LOG_FIELDS <= set(r) for r in whole)
     assert all(r["seq_tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 and r["mfu"] is None for r in whole)
+    seen = [r["tokens_seen"] for r in whole]
+    assert seen == sorted(seen) and seen[0] > 0 and len(set(seen)) == len(seen)
     assert_same_losses(resumed, whole)                    # steps 1-10 came with the checkpoint's log
     assert whole[-1]["loss"] < whole[0]["loss"]
     run = json.load(open(root / "resumed" / "run.json"))
