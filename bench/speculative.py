@@ -54,6 +54,7 @@ from bench.shapes import SHAPES
 from bench.speculative_report import Run, build_report, format_table, temp_key
 from bench.tree_builder import builder_identity, time_tree_build
 
+REPO = str(Path(__file__).resolve().parent.parent)
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_heldout.json")
 
 
@@ -333,6 +334,22 @@ def check_builders(cfg: BenchConfig, cuda: bool) -> dict:
     return identity
 
 
+def drafter_training(folder: str) -> dict:
+    """The `train` section: how the drafter in use was trained, from its own log (`train_log.jsonl`, as
+    `python -m speculative.train` writes it): the last record's MFU, sequence tokens/s and tokens seen (null
+    where that log predates the field)."""
+    path = os.path.join(folder, "train_log.jsonl")
+    if not os.path.exists(path):
+        return {"source": None, "note": f"{folder} has no train_log.jsonl"}
+    with open(path, encoding="utf-8") as f:
+        last = [json.loads(line) for line in f if line.strip()][-1]
+    return {"source": os.path.relpath(path, REPO) if os.path.abspath(path).startswith(REPO) else path,
+            "steps": last["step"], "mfu": last.get("mfu"), "tokens_per_s": last.get("seq_tokens_per_s"),
+            "tokens_seen": last.get("tokens_seen"), "final_loss": last.get("final_loss"),
+            "accept_len": last.get("accept_len"),
+            "note": "the drafter's training log, last record: MFU and tokens/s over its last logging window"}
+
+
 def run_bench(cfg: BenchConfig) -> BenchResult:
     from replicas.loaders import load_checkpoint
     started = time.perf_counter()
@@ -369,6 +386,8 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                    requests_per_batch={f"b{b}": n for b, n in counts.items()},
                    mean_prompt_tokens=sum(map(len, eligible[:top])) / top)
     report = build_report(cfg, results, greedy, drafter, tie, cuda, prompts, len(warm), check_builders(cfg, cuda))
+    if drafter and os.path.isdir(drafter):
+        report["train"] = drafter_training(drafter)
     if cfg.projection:
         _free()
         measured = report["dominotree"].get("forced") or report["dominotree"]

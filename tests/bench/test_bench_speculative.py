@@ -10,7 +10,7 @@ import torch
 
 import bench.tree_builder as tree_bench
 from bench.round_cost import LABELS
-from bench.speculative import keep_other_modes, main
+from bench.speculative import drafter_training, keep_other_modes, main
 from bench.tree_builder import builder_identity, time_tree_build
 from tests.support.checkpoints import make_tiny_llama
 from tests.support.greedy import compare_greedy
@@ -188,3 +188,15 @@ def test_update_keeps_the_modes_not_measured_with_their_provenance(bench, tmp_pa
     keep_other_modes(again, str(out), ("dominotree", "ddtree"))
     assert again["kept_modes"] == ["chain"]
     assert again["chain"]["measured_by"] == report["provenance"]   # kept twice: still the run that measured it
+
+
+def test_train_section_reads_the_drafters_own_log(tmp_path):
+    """`train` comes from the drafter folder's train_log.jsonl, last record; a folder without a log says so."""
+    records = [{"step": 10, "mfu": 0.1, "seq_tokens_per_s": 5.0, "tokens_seen": 100, "final_loss": 3.0,
+                "accept_len": 1.0},
+               {"step": 20, "mfu": 0.2, "seq_tokens_per_s": 6.0, "tokens_seen": 200, "final_loss": 2.5,
+                "accept_len": 1.5}]
+    (tmp_path / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    train = drafter_training(str(tmp_path))
+    assert (train["steps"], train["mfu"], train["tokens_per_s"], train["tokens_seen"]) == (20, 0.2, 6.0, 200)
+    assert drafter_training(str(tmp_path / "missing"))["source"] is None
