@@ -1,7 +1,7 @@
 """Structured-output benchmark (GPU target): decode throughput with a json_schema grammar against the same run
 without one.
 
-    python -m bench.structured [--model PATH] [--device auto] [--concurrency 64] [--seconds 10] [--repeats 3]
+    python -m bench.structured [--model PATH] [--device auto] [--concurrency 64] [--seconds 10] [--repeats 5]
         [--records 8] [--warmup 64] [--seed 0] [--out bench/results/structured.json]
     python -m bench.structured --device cpu --model TINY --concurrency 4 --seconds 0.5 --repeats 2   (smoke)
 
@@ -16,7 +16,9 @@ warm-up) and cached.
 Cells: plain, then constrained, repeated --repeats times (interleaved, so drift in clocks or load hits both);
 each cell runs for --seconds of wall time after its own warm-up of --warmup requests, then the requests still in
 flight are aborted. Counted: the engine's generation-token counter over the cell's wall time (tokens of aborted
-requests included: they were generated). `ratio` = median constrained tokens/s over median plain tokens/s. Also
+requests included: they were generated). `ratio` = median constrained tokens/s over median plain tokens/s;
+`ratio_paired` = the median over repeats of each repeat's constrained / plain (the two cells of a repeat run
+back to back, so a slow or fast stretch of a shared machine hits both). Also
 recorded: the host time to fill one step's bitmask (on CUDA it overlaps the forward), and whether every constrained
 output that finished (warm-ups included) parses and validates.
 """
@@ -116,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--device", default="auto")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seconds", type=float, default=10.0, help="wall time of one cell")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--records", type=int, default=8, help="records in the schema's array (sets the output length)")
     p.add_argument("--warmup", type=int, default=None, help="requests before each cell (default: --concurrency)")
     p.add_argument("--seed", type=int, default=0)
@@ -178,6 +180,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "cells": cells,
         "tokens_per_s": {m: round(v, 1) for m, v in median.items()},
         "ratio": round(median["json_schema"] / median["plain"], 4),
+        "ratio_paired": round(statistics.median(
+            cj["tokens_per_s"] / cp["tokens_per_s"] for cp, cj in zip(cells[0::2], cells[1::2])), 4),
         "grammar": {"compile_ms": [round(s * 1e3, 2) for s in stats.grammar_compile_latencies],
                     "cache_hits": stats.grammar_cache_hits,
                     "mask_ms_per_step_median": round(statistics.median(masks), 4) if masks else None,

@@ -15,6 +15,9 @@ def test_structured_bench_smoke(tmp_path):
     res = main(["--model", model, "--device", "cpu", "--concurrency", "4", "--seconds", "1", "--repeats", "2",
                 "--records", "1", "--warmup", "2", "--out", str(out)])
     assert json.loads(out.read_text())["ratio"] == res["ratio"] > 0
+    pairs = zip(res["cells"][0::2], res["cells"][1::2])
+    assert all((p["mode"], c["mode"], p["repeat"]) == ("plain", "json_schema", c["repeat"]) for p, c in pairs)
+    assert res["ratio_paired"] > 0
     assert [(c["repeat"], c["mode"]) for c in res["cells"]] == [(0, "plain"), (0, "json_schema"),
                                                                (1, "plain"), (1, "json_schema")]
     assert all(c["output_tokens"] > 0 for c in res["cells"])
