@@ -17,7 +17,11 @@ start (high budget, lending off, nothing granted):
 Per policy: TTFT (all requests, and the long prompts alone) and decode inter-token gaps (every gap of every
 decode-load request, pooled) as median and p99; goodput = requests that met both SLOs (TTFT, and mean
 inter-token latency as the controller judges it) per second of the trace; decode_tok_s = output tokens per
-second of wall time until the last request finished. KV: the blocks lending adds (the reserve) against the blocks
+second of wall time until the last request finished. The SLOs are --ttft-slo-ms and --itl-slo-ms when given;
+otherwise --slo-scale times the medians the first policy (the sized budget, static<high>) reached on the trace:
+its per-request TTFT and mean inter-token latency. Every policy, the first included, is judged by the same
+SLOs, which the controller's policies also steer by; a fixed SLO that no policy meets on a heavy trace would
+rank them by a handful of requests. KV: the blocks lending adds (the reserve) against the blocks
 the low budget grants. Requests still running `--drain-s` after the trace ends are cut and count as missed.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -104,6 +109,19 @@ def quantiles_ms(values: list[float]) -> dict:
     return {"median": round(float(np.median(a)), 2), "p99": round(float(np.percentile(a, 99)), 2), "n": len(a)}
 
 
+def slo_met(requests: list[tuple[float, float]], ttft_slo_ms: float, itl_slo_ms: float) -> int:
+    """How many (TTFT s, mean inter-token latency s) requests met both SLOs."""
+    return sum(1 for ttft, itl in requests if ttft * 1e3 <= ttft_slo_ms and itl * 1e3 <= itl_slo_ms)
+
+
+def calibrated_slos(requests: list[tuple[float, float]], scale: float) -> tuple[float, float]:
+    """(TTFT, ITL) SLOs in ms: `scale` times the medians of a reference run's requests."""
+    if not requests:
+        raise SystemExit("the first policy's run finished no request: no SLOs to set; pass --ttft-slo-ms/--itl-slo-ms")
+    return (round(scale * statistics.median(t for t, _ in requests) * 1e3, 1),
+            round(scale * statistics.median(i for _, i in requests) * 1e3, 2))
+
+
 def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab: int) -> dict:
     high, low = args.budgets
     static_budget = int(policy[len("static"):]) if policy.startswith("static") else high
@@ -162,14 +180,13 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     ttft = [t.first_token_time - t.arrival_time for t in timings]
     ttft_long = [t.first_token_time - t.arrival_time for t in timings if kinds[t.request_id] == "long"]
     gaps = [g for t in timings if kinds[t.request_id] == "decode" for g in t.inter_token_latencies]
-    met = sum(1 for t in timings
-              if (t.first_token_time - t.arrival_time) * 1e3 <= args.ttft_slo_ms
-              and (t.finish_time - t.first_token_time) / max(1, t.num_generation_tokens - 1) * 1e3 <= args.itl_slo_ms)
+    requests = [(t.first_token_time - t.arrival_time,
+                 (t.finish_time - t.first_token_time) / max(1, t.num_generation_tokens - 1)) for t in timings]
     out_tokens = sum(t.num_generation_tokens for t in timings)
     last = max((t.finish_time for t in timings), default=start + 1e-9) - start
     return {"policy": policy, "requests": len(trace), "finished": len(timings), "cut": len(cut),
-            "goodput": round(met / args.duration_s, 4), "slo_attainment": round(met / len(trace), 4),
-            "decode_tok_s": round(out_tokens / last, 1), "ttft_ms": quantiles_ms(ttft),
+            "request_latencies_s": requests, "decode_tok_s": round(out_tokens / last, 1),
+            "ttft_ms": quantiles_ms(ttft),
             "ttft_long_ms": quantiles_ms(ttft_long), "decode_itl_ms": quantiles_ms(gaps),
             "kv_usage_max": round(max(kv_usage, default=0.0), 4),
             "preemptions": after.preemptions - before.preemptions,
@@ -236,7 +253,7 @@ def summarize(rows: dict[str, dict], engine: LLMEngine, args) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--device", default=resolve_device().type, choices=("cuda", "cpu"))
@@ -250,8 +267,10 @@ def main() -> None:
     ap.add_argument("--long-every-s", type=float, default=2.0)
     ap.add_argument("--long-tokens", default="8192,32768")
     ap.add_argument("--long-output-tokens", type=int, default=32)
-    ap.add_argument("--ttft-slo-ms", type=float, default=3000.0)
-    ap.add_argument("--itl-slo-ms", type=float, default=30.0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=None, help="with --itl-slo-ms: fixed SLOs")
+    ap.add_argument("--itl-slo-ms", type=float, default=None)
+    ap.add_argument("--slo-scale", type=float, default=2.0,
+                    help="without fixed SLOs: this times the first policy's median TTFT and mean inter-token latency")
     ap.add_argument("--interval-s", type=float, default=1.0, help="controller round")
     ap.add_argument("--trial-rounds", type=int, default=4, help="auto: rounds each knob is measured")
     ap.add_argument("--max-num-seqs", type=int, default=128)
@@ -263,12 +282,17 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, choices=(1,), help="TP=2 needs a two-GPU machine (not built here)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "seed_experiment.json"))
-    args = ap.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    if (args.ttft_slo_ms is None) != (args.itl_slo_ms is None):
+        ap.error("--ttft-slo-ms and --itl-slo-ms go together (or neither: SLOs from the first policy's run)")
     args.budgets = tuple(int(x) for x in args.budgets.split(","))
     for name in ("decode_prompt_tokens", "decode_output_tokens", "long_tokens"):
         setattr(args, name, tuple(int(x) for x in getattr(args, name).split(",")))
     high, low = args.budgets
     policies = (args.policies or f"static{high},static{low},elastic,chunk,auto").split(",")
+    if args.ttft_slo_ms is None and not policies[0].startswith("static"):
+        ap.error("without fixed SLOs the first policy sets them, so it must be a static one")
 
     t0 = time.time()
     engine = build_engine(args)
@@ -277,14 +301,23 @@ def main() -> None:
     trace = make_trace(args)
     rows: dict[str, dict] = {}
     result = {"provenance": provenance(
-        "bench.seed_experiment", sys.argv[1:], args.device, args.seed,
+        "bench.seed_experiment", argv, args.device, args.seed,
         warm_up="one long prompt at each budget and 8 short requests, not counted",
         counted="every request of the trace; cut requests count as missed", torch=torch.__version__),
         "trace": {"requests": len(trace), "long": sum(a.kind == "long" for a in trace),
                   "duration_s": args.duration_s},
         "tp2_status": "not run: no two-GPU machine was lent"}
+    if args.ttft_slo_ms is not None:
+        result["slo"] = {"ttft_ms": args.ttft_slo_ms, "itl_ms": args.itl_slo_ms, "set_by": "given"}
     for policy in policies:
         rows[policy] = run_policy(engine, policy, trace, args, vocab)
+        if args.ttft_slo_ms is None:                 # the first policy's run sets the SLOs everyone is judged by
+            args.ttft_slo_ms, args.itl_slo_ms = calibrated_slos(rows[policy]["request_latencies_s"], args.slo_scale)
+            result["slo"] = {"ttft_ms": args.ttft_slo_ms, "itl_ms": args.itl_slo_ms,
+                             "set_by": f"{args.slo_scale} x the medians of {policy}'s requests"}
+        for r in rows.values():
+            met = slo_met(r["request_latencies_s"], args.ttft_slo_ms, args.itl_slo_ms)
+            r.update(goodput=round(met / args.duration_s, 4), slo_attainment=round(met / len(trace), 4))
         r = rows[policy]
         print(f"{policy:>12}: goodput {r['goodput']:.3f}/s  decode {r['decode_tok_s']:.0f} tok/s  "
               f"TTFT {r['ttft_ms']['median']}/{r['ttft_ms']['p99']} ms  ITL {r['decode_itl_ms']['median']}/"
@@ -304,6 +337,7 @@ def main() -> None:
     if "auto_goodput_vs_best_static" in tp1:
         print(f"auto / best static goodput: {tp1['auto_goodput_vs_best_static']}  (auto chose {tp1['auto_chose']})")
     print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":

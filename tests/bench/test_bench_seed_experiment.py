@@ -1,0 +1,30 @@
+"""bench.seed_experiment on CPU (SmolLM2's shape, one layer, a few seconds of trace): the first policy's run sets
+the SLOs every policy is judged by, unless they are given; each run's goodput counts the requests that met them."""
+import pytest
+
+from bench.seed_experiment import calibrated_slos, main, slo_met
+
+TINY = ["--shape", "smollm2-135m", "--device", "cpu", "--num-layers", "1", "--duration-s", "2", "--drain-s", "3",
+        "--decode-rate", "3", "--long-every-s", "1", "--long-tokens", "256,512", "--decode-prompt-tokens", "16,32",
+        "--decode-output-tokens", "4,8", "--budgets", "512,128", "--num-kv-blocks", "128", "--reserve-blocks", "16",
+        "--interval-s", "0.5", "--trial-rounds", "1"]
+
+
+def test_slos_are_a_multiple_of_the_reference_medians_and_count_both_bounds():
+    requests = [(0.1, 0.01), (0.2, 0.02), (0.3, 0.05)]
+    assert calibrated_slos(requests, 2.0) == (400.0, 40.0)
+    assert slo_met(requests, 400.0, 40.0) == 2 and slo_met(requests, 150.0, 100.0) == 1
+
+
+@pytest.mark.timeout(120)
+def test_first_policy_sets_the_slos_every_policy_is_judged_by(tmp_path):
+    res = main(TINY + ["--policies", "static512,static128,auto", "--out", str(tmp_path / "a.json")])
+    runs, slo = res["tp1"]["runs"], res["slo"]
+    assert slo["set_by"].endswith("static512's requests") and slo["ttft_ms"] > 0 and slo["itl_ms"] > 0
+    for r in runs.values():
+        met = slo_met(r["request_latencies_s"], slo["ttft_ms"], slo["itl_ms"])
+        assert r["goodput"] == round(met / 2, 4) and r["slo_attainment"] == round(met / r["requests"], 4)
+    assert "auto_goodput_vs_best_static" in res["tp1"]
+    given = main(TINY + ["--policies", "static512", "--ttft-slo-ms", "0", "--itl-slo-ms", "0",
+                         "--out", str(tmp_path / "b.json")])
+    assert given["slo"]["set_by"] == "given" and given["tp1"]["runs"]["static512"]["goodput"] == 0
