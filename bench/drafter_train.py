@@ -5,9 +5,9 @@
     python -m bench.drafter_train --device cpu --layers 2 --configs online:2:4,cached:2:4 --steps 4 --log-every 2
         --pairs 16   (smoke)
 
-Target: the bundled drafter's target shape (speculative/drafters/smollm2-135m-instruct/target.json) with random
-bf16 weights (float32 on the CPU): a step's time does not depend on weight values. Drafter: the bundled one's
-shape (2 layers, block 16). Pairs: synthetic token ids with the regenerated ShareGPT data's lengths (prompt
+Target: the bundled drafter's target shape (`smollm2-135m` in bench/shapes.py) with random bf16 weights (float32
+on the CPU): a step's time does not depend on weight values. Drafter: the bundled one's shape (2 layers, block
+16). Pairs: synthetic token ids with the regenerated ShareGPT data's lengths (prompt
 20-300, response 60-512 tokens, uniform), so batches pad as real ones do.
 
 A configuration is `features:batch:anchors[:compile]` (features `online` or `cached`). Each runs `--steps` steps
@@ -30,29 +30,27 @@ from typing import Optional
 
 import torch
 
-from bench.provenance import provenance
+from bench.provenance import REPO, provenance
+from bench.shapes import SHAPES
 
-REPO = Path(__file__).resolve().parent.parent
-SHAPE = REPO / "speculative" / "drafters" / "smollm2-135m-instruct" / "target.json"
+SHAPE = "smollm2-135m"                  # the bundled drafter's target (speculative/drafters/smollm2-135m-instruct)
 KEYS = ("step_ms", "mfu", "seq_tokens_per_s", "query_tokens_per_s")
 
 
 def random_target(device: torch.device, layers: Optional[int]):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    shape = json.loads(SHAPE.read_text())["shape"]
-    hf = LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
-                     intermediate_size=shape["intermediate_size"],
-                     num_hidden_layers=layers or shape["num_hidden_layers"],
-                     num_attention_heads=shape["num_attention_heads"],
-                     num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
-                     tie_word_embeddings=True, max_position_embeddings=8192)
+    """The bundled drafter's target shape (bench.shapes), random weights, as a transformers model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    shape = {k: v for k, v in SHAPES[SHAPE].items() if k != "architectures"}
+    if layers:
+        shape["num_hidden_layers"] = layers
+    hf = AutoConfig.for_model(**shape)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return LlamaForCausalLM(hf).to(device, dtype), hf
+    return AutoModelForCausalLM.from_config(hf).to(device, dtype), hf
 
 
 def synthetic_pairs(count: int, seed: int) -> list:
     rng = random.Random(seed)
-    vocab = json.loads(SHAPE.read_text())["shape"]["vocab_size"]
+    vocab = SHAPES[SHAPE]["vocab_size"]
     return [([rng.randrange(vocab) for _ in range(rng.randint(20, 300))],
              [rng.randrange(vocab) for _ in range(rng.randint(60, 512))]) for _ in range(count)]
 
@@ -104,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--pairs", type=int, default=2048)
     p.add_argument("--layers", type=int, default=None, help="target layers (default: the shape's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "drafter_train.json")
+    p.add_argument("--out", type=Path, default=Path(REPO) / "bench" / "results" / "drafter_train.json")
     args = p.parse_args(argv)
     if args.steps < 2 * args.log_every:
         p.error("--steps must be at least two logging windows (the first is the warm-up)")
@@ -123,7 +121,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     by = {(r["target_features"], r["batch_size"], r["anchors_per_seq"], r["compile"]): r for r in rows}
     speedup = {f"b{b}_a{a}{'_compiled' if c else ''}": by[("online", b, a, c)]["step_ms"] / r["step_ms"]
                for (f, b, a, c), r in by.items() if f == "cached" and ("online", b, a, c) in by}
-    result = {"device": str(device), "target": f"{json.loads(SHAPE.read_text())['name']} shape, random weights",
+    result = {"device": str(device), "target": f"{SHAPE} shape (bench.shapes), random weights",
               "target_layers": hf.num_hidden_layers, "pairs": args.pairs, "configs": rows,
               "cached_over_online_speed": speedup, "method": __doc__,
               "provenance": provenance("bench.drafter_train", argv, str(device), args.seed,

@@ -22,12 +22,10 @@ from typing import Optional
 
 import torch
 
-from bench.provenance import provenance
+from bench.provenance import REPO, provenance
 from replicas.sampler import Sampler
 from replicas.sampling_batch import SamplingBatch
 from replicas.sampling_params import SamplingParams
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def make_batch(rows: int, vocab: int, device: torch.device) -> SamplingBatch:
@@ -69,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sampling.json")
+    p.add_argument("--out", type=Path, default=Path(REPO) / "bench" / "results" / "sampling.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     paths = {"torch": Sampler(fused=False)}

@@ -48,13 +48,12 @@ import torch
 
 from replicas import LLM, SamplingParams
 from bench.projection import projection
-from bench.provenance import provenance
+from bench.provenance import REPO, provenance
 from bench.round_cost import MIN_ROUNDS, RoundLog, breakdown, round_cost
 from bench.shapes import SHAPES
 from bench.speculative_report import Run, build_report, format_table, temp_key
 from bench.tree_builder import builder_identity, time_tree_build
 
-REPO = str(Path(__file__).resolve().parent.parent)
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_heldout.json")
 
 

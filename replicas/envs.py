@@ -82,7 +82,7 @@ def static_draft() -> bool:
 
 
 def fused_sampling() -> bool:
-    return FUSED_SAMPLING.raw() == "1"
+    return FUSED_SAMPLING.switch()
 
 
 def elastic_cycles() -> int:

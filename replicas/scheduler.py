@@ -104,21 +104,16 @@ class Scheduler:
             seq = running[i]
             d = self._drafts(seq, budget)
             n = 1 + d if d else min(seq.num_uncomputed_tokens, budget)
-            if not bm.blocks_needed(seq, n):        # fits its blocks (most decode steps): nothing to allocate
-                seqs.append(seq)
-                counts.append(n)
-                drafts.append(d)
-                budget -= n
-                i += 1
-                continue
-            while not bm.can_allocate(seq, n):
+            needed = bm.blocks_needed(seq, n)       # 0 on most decode steps: the token fits the last block
+            while needed > bm.num_free_blocks:
                 victim = running.pop()              # newest first
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                bm.allocate(seq, n)
+                if needed:
+                    bm.allocate(seq, n)
                 seqs.append(seq)
                 counts.append(n)
                 drafts.append(d)
