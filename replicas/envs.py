@@ -43,9 +43,9 @@ DRAFTER_GRAPHS = EnvVar("TIDAL_DRAFTER_GRAPHS", "1",
                         "0: the speculative drafter runs eagerly (no CUDA graphs for the draft side)")
 STATIC_DRAFT = EnvVar("TIDAL_STATIC_DRAFT", "1",
                       "0: only the drafter pass is graphed; the draft context update and gather run eagerly")
-FUSED_SAMPLING = EnvVar("TIDAL_FUSED_SAMPLING", "0",
-                        "1: random (temperature > 0) rows on CUDA draw their Gumbel-max sample in one fused Triton "
-                        "kernel (replicas/kernels/gumbel.py) instead of the torch ops (the same tokens)")
+FUSED_SAMPLING = EnvVar("TIDAL_FUSED_SAMPLING", "1",
+                        "0: random (temperature > 0) rows on CUDA draw their Gumbel-max sample with the torch ops "
+                        "instead of the fused Triton kernel (replicas/kernels/gumbel.py; the same tokens)")
 ELASTIC_CYCLES = EnvVar("TIDAL_ELASTIC_CYCLES", "10000",
                         "tests/gpu/test_elastic_gpu.py: lend/reclaim cycles of the elastic KV stress test")
 

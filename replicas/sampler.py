@@ -23,8 +23,9 @@ Order of processing, all batched torch ops on the logits' device:
    argmax(logits + g), g = -log(-log u), u from a counter-based hash of (seed, position, token id).
    Fast paths (flags set by SamplingBatch.build): an all-greedy batch does only argmax; top-k and
    top-p cost one torch.topk of width max(top_k), or one full sort when a row uses top-p alone.
-   With TIDAL_FUSED_SAMPLING=1 on CUDA, the noise, the add and the argmax are one Triton kernel
-   (replicas/kernels/gumbel.py): the same hash in uint32 registers instead of int64 [R, V] passes.
+   On CUDA (unless TIDAL_FUSED_SAMPLING=0) the row's key, the noise, the add and the argmax are one Triton
+   kernel (replicas/kernels/gumbel.py), with the division by temperature too when no cut applies: the same hash
+   in uint32 registers instead of a hundred small int64 ops and [R, V] passes.
 
 Reproducibility: u depends only on the row's 64-bit seed, the position of the token being sampled
 and the vocabulary index, computed with exact 32-bit integer arithmetic held in int64 (every
@@ -56,6 +57,7 @@ _MASK32 = 0xFFFFFFFF
 _SEED_SALT = 0x5BD1E995
 _POSITION_SALT = 0x27D4EB2F
 _VOCAB_SALT = 0x165667B1
+_SALTS = (_SEED_SALT, _POSITION_SALT, _VOCAB_SALT)
 
 
 @dataclass
@@ -168,6 +170,12 @@ class Sampler(nn.Module):
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids [R] for the random rows' logits [R, V]."""
+        fused = logits.is_cuda and self.fused
+        cuts = batch.use_top_k or batch.use_top_p or batch.use_min_p
+        if fused and not cuts:
+            from replicas.kernels.gumbel import gumbel_argmax
+            return gumbel_argmax(logits.contiguous(), batch.seed_lo, batch.seed_hi, batch.positions, _SALTS,
+                                 batch.temperature)
         logits = logits / batch.temperature.unsqueeze(1)
         if batch.use_top_k or batch.use_top_p:
             logits = logits.masked_fill(logits < top_k_top_p_cut(logits, batch), float("-inf"))
@@ -175,10 +183,10 @@ class Sampler(nn.Module):
             # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p); min_p = 0 gives -inf (keep all).
             cut = logits.amax(dim=-1, keepdim=True) + torch.log(batch.min_p).unsqueeze(1)
             logits = logits.masked_fill(logits < cut, float("-inf"))
-        keys = row_keys(batch.seed_lo, batch.seed_hi, batch.positions)
-        if logits.is_cuda and self.fused:
+        if fused:
             from replicas.kernels.gumbel import gumbel_argmax
-            return gumbel_argmax(logits.contiguous(), keys, _VOCAB_SALT)
+            return gumbel_argmax(logits.contiguous(), batch.seed_lo, batch.seed_hi, batch.positions, _SALTS)
+        keys = row_keys(batch.seed_lo, batch.seed_hi, batch.positions)
         noise = gumbel_noise(keys, self._vocab_codes(logits.shape[-1], logits.device))
         return first_max_index(noise.add_(logits))
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from replicas.sampler import (_VOCAB_SALT, Sampler, apply_penalties, counter_uniforms, first_max_index,
+from replicas.sampler import (_SALTS, Sampler, apply_penalties, counter_uniforms, first_max_index,
                               gumbel_noise, mix32, row_keys, vocab_codes)
 from replicas.sampling_batch import SamplingBatch
 from replicas.sampling_params import SamplingParams
@@ -422,8 +422,9 @@ def test_cuda_grammar_bitmask_and_logit_bias_equal_cpu():
 
 def test_fused_gumbel_kernel_equals_the_torch_sample():
     """replicas/kernels/gumbel.py (Triton; on the CPU under TRITON_INTERPRET) picks the token the torch path
-    picks from the same scores and keys: several vocabulary blocks, a row of -inf, a row masked past a prefix,
-    a row with NaNs (the first NaN, as torch.argmax), keys of any seed and position."""
+    picks from the same scores, seeds and positions (the row key hashed in the kernel): several vocabulary
+    blocks, a row of -inf, a row masked past a prefix, a row with NaNs (the first NaN, as torch.argmax), seeds of
+    any value; and with the division by temperature done in the kernel."""
     from replicas.kernels.gumbel import BLOCK, gumbel_argmax
     g = torch.Generator().manual_seed(11)
     rows, vocab = 24, 2 * BLOCK + 77
@@ -431,18 +432,22 @@ def test_fused_gumbel_kernel_equals_the_torch_sample():
     scores[3] = float("-inf")
     scores[4, 100:] = float("-inf")
     scores[5, 17], scores[5, 900] = float("nan"), float("nan")
-    seeds = torch.randint(0, 2**32, (2, rows), generator=g)
-    keys = row_keys(seeds[0], seeds[1], torch.randint(0, 100_000, (rows,), generator=g))
-    want = first_max_index(gumbel_noise(keys, vocab_codes(vocab, "cpu")).add_(scores))
-    got = gumbel_argmax(scores, keys, _VOCAB_SALT)
+    seed_lo, seed_hi = torch.randint(0, 2**32, (2, rows), generator=g)
+    positions = torch.randint(0, 100_000, (rows,), generator=g)
+    noise = gumbel_noise(row_keys(seed_lo, seed_hi, positions), vocab_codes(vocab, "cpu"))
+    want = first_max_index(noise + scores)
+    got = gumbel_argmax(scores, seed_lo, seed_hi, positions, _SALTS)
     assert torch.equal(got, want) and got[3] == 0 and got[5] == 17 and got[4] < 100
+    temperature = torch.rand(rows, generator=g) * 2 + 0.05
+    want = first_max_index(noise + scores / temperature.unsqueeze(1))
+    assert torch.equal(gumbel_argmax(scores, seed_lo, seed_hi, positions, _SALTS, temperature), want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fused_sampling_equals_the_torch_ops():
-    """TIDAL_FUSED_SAMPLING's kernel on CUDA against the torch ops, on a batch of every kind of random row
-    (top-k, top-p, min-p, penalties) at a real vocabulary width."""
+    """The fused kernel (CUDA's default) against the torch ops, on a batch of every kind of random row (top-k,
+    top-p, min-p, penalties) and on one of temperature alone, at a real vocabulary width."""
     V = 49152
     logits = torch.randn(len(REQUESTS) * 8, V, generator=torch.Generator().manual_seed(7)).cuda() * 3
     params, seeds, positions = zip(*(REQUESTS * 8))
@@ -454,6 +459,12 @@ def test_cuda_fused_sampling_equals_the_torch_ops():
     torch_ops = Sampler(fused=False)(logits.clone(), batch()).token_ids
     fused = Sampler(fused=True)(logits.clone(), batch()).token_ids
     assert torch.equal(torch_ops, fused)
+    # temperature alone (no cut): the kernel divides by it itself
+    plain = build([SamplingParams(temperature=0.3 + 0.2 * (i % 7)) for i in range(len(params))], seeds,
+                  list(positions), vocab=V, device="cuda")
+    assert not (plain.use_top_k or plain.use_top_p or plain.use_min_p)
+    assert torch.equal(Sampler(fused=False)(logits.clone(), plain).token_ids,
+                       Sampler(fused=True)(logits.clone(), plain).token_ids)
 
 
 @pytest.mark.gpu
