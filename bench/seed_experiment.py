@@ -3,8 +3,9 @@
     python -m bench.seed_experiment [--shape llama3-8b] [--duration-s 30] [--policies static32768,...]
                                     [--out bench/results/seed_experiment.json]
 
-One engine of the shape (random bf16 weights, `load_format="dummy"`, elastic KV built at the high budget) serves
-one arrival trace per policy: a steady decode load (open-loop Poisson arrivals of medium prompts with long outputs)
+One engine of the shape (random bf16 weights, `load_format="dummy"`, elastic KV built at the high budget, prefix
+caching off: every policy replays the same prompts, which a cache would serve to the later ones) serves one
+arrival trace per policy: a steady decode load (open-loop Poisson arrivals of medium prompts with long outputs)
 and long prompts (8k to 32k tokens) injected at a fixed rate; ignore_eos, seed 0. Policies, each from the same
 start (high budget, lending off, nothing granted):
 
@@ -206,7 +207,8 @@ def build_engine(args) -> LLMEngine:
     folder = write_shape(args.shape, 1, **overrides)
     flat = dict(model=folder, load_format="dummy", seed=args.seed, elastic="elastic", max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=high, max_model_len=max(high, args.long_tokens[1] + 512),
-                gpu_memory_utilization=args.gpu_memory_utilization, device=args.device)
+                gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
+                enable_prefix_caching=False)
     if args.device == "cpu":
         flat.update(num_kv_blocks=args.num_kv_blocks, reserve_blocks=args.reserve_blocks, dtype="float32")
     return LLMEngine(EngineConfig.from_flat(**flat))
@@ -261,7 +263,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--policies", default=None, help="default: static<high>,static<low>,elastic,chunk,auto")
     ap.add_argument("--duration-s", type=float, default=25.0, help="arrivals per policy run")
     ap.add_argument("--drain-s", type=float, default=10.0, help="after the arrivals, before cutting what is left")
-    ap.add_argument("--decode-rate", type=float, default=12.0, help="decode-load arrivals per second (Poisson)")
+    ap.add_argument("--decode-rate", type=float, default=4.0,
+                    help="decode-load arrivals per second (Poisson); the default is a load the sized engine carries")
     ap.add_argument("--decode-prompt-tokens", default="1024,3072")
     ap.add_argument("--decode-output-tokens", default="256,512")
     ap.add_argument("--long-every-s", type=float, default=2.0)
