@@ -1,8 +1,10 @@
 """Token-budget scheduler: each step, running sequences then waiting ones share one budget.
 
 A sequence asks for `num_tokens - num_computed_tokens` tokens (capped by the budget): a decode
-asks for one, a prefill for a chunk, a recompute after preemption for everything. Preemption is
-by recompute, newest first, and a step that preempted admits nobody new. A sequence whose logits are processed
+asks for one, a prefill for a chunk, a recompute after preemption for everything. A waiting sequence is
+admitted only when the blocks of its whole prompt (or recompute) are free, and takes them all at admission, so
+its later chunks never need a block. Preemption is by recompute, the newest decoding sequence first (a
+sequence still prefilling only when no decoding one is left), and a step that preempted admits nobody new. A sequence whose logits are processed
 beyond plain sampling's (a grammar or logit_bias) decodes plainly even when the others draft.
 """
 from __future__ import annotations
@@ -104,9 +106,10 @@ class Scheduler:
             seq = running[i]
             d = self._drafts(seq, budget)
             n = 1 + d if d else min(seq.num_uncomputed_tokens, budget)
-            needed = bm.blocks_needed(seq, n)       # 0 on most decode steps: the token fits the last block
+            needed = bm.blocks_needed(seq, n)       # 0 on most decode steps, and on every prefill chunk
             while needed > bm.num_free_blocks:
-                victim = running.pop()              # newest first
+                victim = self._victim(running, i)
+                running.remove(victim)
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -126,7 +129,7 @@ class Scheduler:
             if fresh:
                 bm.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            if not bm.can_allocate(seq, n):
+            if not bm.can_allocate(seq, seq.num_uncomputed_tokens):     # the whole prompt, not just this chunk
                 if fresh:
                     bm.unmatch_prefix(seq)             # give back the cache hits; retry next step
                 break
@@ -134,7 +137,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = seq.num_computed_tokens
-            bm.allocate(seq, n)
+            bm.allocate(seq, seq.num_uncomputed_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
@@ -142,6 +145,18 @@ class Scheduler:
             drafts.append(0)
             budget -= n
         return ScheduledBatch(seqs, counts, preempted, drafts)
+
+    @staticmethod
+    def _victim(running: list[Sequence], i: int) -> Sequence:
+        """Whom to preempt so that running[i] gets its blocks: the newest decoding sequence after it; only when
+        there is none, the newest of all (a sequence still prefilling, or running[i] itself). A prefill holds its
+        whole prompt's blocks from admission, so preempting it would free much and throw away work that the
+        decode's one block does not need: under KV pressure a chunked long prompt preempted by every decode that
+        grows would restart without end."""
+        for j in range(len(running) - 1, i, -1):
+            if running[j].num_uncomputed_tokens <= 1:
+                return running[j]
+        return running[-1]
 
     def _drafts(self, seq: Sequence, budget: int) -> int:
         """A decoding sequence (past its first sampled token) verifies `spec_budget` draft nodes after its root,
