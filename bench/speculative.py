@@ -51,7 +51,7 @@ from bench.projection import projection
 from bench.provenance import REPO, provenance
 from bench.round_cost import MIN_ROUNDS, RoundLog, breakdown, round_cost
 from bench.shapes import SHAPES
-from bench.speculative_report import Run, build_report, format_table, temp_key
+from bench.speculative_report import Run, build_report, format_table, round_overhead, temp_key
 from bench.tree_builder import builder_identity, time_tree_build
 
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_heldout.json")
@@ -495,6 +495,7 @@ def keep_other_modes(report: dict, out: str, modes: tuple[str, ...]) -> None:
             report["engine"]["speculative"][m] = engine
     if kept:
         report["kept_modes"] = kept
+        report["round_overhead_ms"] = round_overhead(report)
 
 
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:

@@ -150,19 +150,21 @@ def build_report(cfg: ReportConfig, results: dict, greedy: dict, drafter: Option
                                                                                plain, greedy.get(f"{mode}@forced")))
             report[mode]["forced"]["round"] = results[mode].get("round")
             report[mode]["forced"]["round_breakdown"] = results[mode].get("round_breakdown")
-    report["round_overhead_ms"] = round_overhead(cfg, results)
+    report["round_overhead_ms"] = round_overhead(report)
     report.update(tree_sections(cfg, {m: results[m].get("tree_build") for m in cfg.modes}, identity))
     return report
 
 
-def round_overhead(cfg: ReportConfig, results: dict) -> Optional[dict]:
-    """b<batch> -> what a forced round costs beyond draft + verify (bench/round_cost.py), ms: DominoTree's where it
-    ran, else the first mode's; the larger over temperatures (null where a temperature saw too few rounds). None
-    without --force-budget."""
-    rounds = {m: results[m]["round"] for m in cfg.modes if results[m].get("round")}
+def round_overhead(report: dict) -> Optional[dict]:
+    """b<batch> -> what a forced round costs beyond draft + verify (bench/round_cost.py), ms, from the report's
+    mode sections (those measured now and those kept by --update): DominoTree's where it is there, else chain's,
+    else DDTree's; the larger over temperatures (null where a temperature saw too few rounds). None without a
+    forced run."""
+    rounds = {m: report[m]["forced"]["round"] for m in ("dominotree", "chain", "ddtree")
+              if (report.get(m) or {}).get("forced", {}).get("round")}
     if not rounds:
         return None
-    by_temp = rounds.get("dominotree") or next(iter(rounds.values()))
+    by_temp = next(iter(rounds.values()))
     batches = sorted({b for per_batch in by_temp.values() for b in per_batch}, key=lambda k: int(k[1:]))
     worst = {}
     for b in batches:

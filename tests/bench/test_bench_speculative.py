@@ -188,6 +188,11 @@ def test_update_keeps_the_modes_not_measured_with_their_provenance(bench, tmp_pa
     keep_other_modes(again, str(out), ("dominotree", "ddtree"))
     assert again["kept_modes"] == ["chain"]
     assert again["chain"]["measured_by"] == report["provenance"]   # kept twice: still the run that measured it
+    # the round overhead stays DominoTree's when DominoTree's section is the one kept
+    chain_only = {"chain": {"forced": {"round": {"t0": {"b1": {"overhead_ms": 0.1}}}}}, "engine": {"speculative": {}}}
+    out.write_text(json.dumps(report))
+    keep_other_modes(chain_only, str(out), ("chain",))
+    assert chain_only["round_overhead_ms"]["b1"] == report["round_overhead_ms"]["b1"] != 0.1
 
 
 def test_train_section_reads_the_drafters_own_log(tmp_path):
