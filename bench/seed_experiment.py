@@ -214,8 +214,10 @@ def build_engine(args) -> LLMEngine:
     return LLMEngine(EngineConfig.from_flat(**flat))
 
 
-def warm_up(engine: LLMEngine, args, vocab: int) -> None:
-    """A long prompt at each budget and a decode batch: graphs, kernels and the allocator reach steady state."""
+def warm_up(engine: LLMEngine, args, vocab: int, trace: list[Arrival]) -> None:
+    """A long prompt at each budget and a decode batch, then the trace's first `--warmup-s` seconds at the high
+    budget (not counted): graphs, kernels and the allocator reach the state the trace keeps them in, so the
+    first policy measured does not pay for what the others find ready."""
     rng = np.random.default_rng(1)
     for budget in args.budgets:
         engine.reconfigure(max_num_batched_tokens=budget)
@@ -229,6 +231,10 @@ def warm_up(engine: LLMEngine, args, vocab: int) -> None:
         while engine.has_unfinished:
             engine.step()
     engine.drain_finished_timings()
+    if args.warmup_s > 0:
+        prefix = [a for a in trace if a.at_s < args.warmup_s]
+        short = argparse.Namespace(**{**vars(args), "duration_s": args.warmup_s, "drain_s": 0.0})
+        run_policy(engine, f"static{args.budgets[0]}", prefix, short, vocab)
 
 
 def summarize(rows: dict[str, dict], engine: LLMEngine, args) -> dict:
@@ -255,6 +261,49 @@ def summarize(rows: dict[str, dict], engine: LLMEngine, args) -> dict:
     return out
 
 
+def plot(result: dict, path: str) -> None:
+    """The figure docs/controller.md shows, from a result JSON: each policy's TTFT distribution, its goodput and
+    decode throughput, and the step budget each controller policy set over the trace."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = result["tp1"]["runs"]
+    color = {name: f"C{i}" for i, name in enumerate(runs)}
+    fig, (cdf, bars, budget) = plt.subplots(1, 3, figsize=(15, 4.6))
+    for name, r in runs.items():
+        ttft = sorted(t for t, _ in r["request_latencies_s"])
+        cdf.step(ttft, np.arange(1, len(ttft) + 1) / r["requests"], where="post", label=name, color=color[name])
+    cdf.set(xscale="log", xlabel="TTFT (s)", ylabel="share of the trace's requests", title="TTFT")
+    cdf.axvline(result["slo"]["ttft_ms"] / 1e3, color="grey", ls=":", label="TTFT SLO")
+    cdf.legend(fontsize=8)
+    names = list(runs)
+    x = np.arange(len(names))
+    bars.bar(x - 0.2, [runs[n]["goodput"] for n in names], 0.4, color=[color[n] for n in names])
+    tok = bars.twinx()
+    tok.bar(x + 0.2, [runs[n]["decode_tok_s"] for n in names], 0.4, color=[color[n] for n in names], alpha=0.4,
+            hatch="//")
+    bars.set(xticks=x, ylabel="goodput: requests meeting both SLOs per s (solid)",
+             title="goodput (solid), decode tok/s (hatched)")
+    bars.set_xticklabels(names, rotation=20, fontsize=8)
+    tok.set_ylabel("decode tok/s (hatched)")
+    high = result["tp1"]["runs"][names[0]]["budget_final"] if names[0].startswith("static") else None
+    for name, r in runs.items():
+        if name.startswith("static"):
+            continue
+        steps = [(0.0, high or r["budget_median"])] + [(t, v) for t, knob, v, _ in r["decisions"]
+                                                       if knob == "max_num_batched_tokens"]
+        steps.append((r["wall_s"], steps[-1][1]))
+        budget.step([t for t, _ in steps], [v for _, v in steps], where="post", label=name, color=color[name])
+        lends = [t for t, knob, v, _ in r["decisions"] if knob == "elastic" and v != "off"]
+        budget.scatter(lends, [steps[0][1]] * len(lends), marker="^", s=40, color=color[name])
+    budget.set(yscale="log", xlabel="time into the trace (s)", ylabel="max_num_batched_tokens",
+               title="budget set by the controller (^: lending on)")
+    budget.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -263,6 +312,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--policies", default=None, help="default: static<high>,static<low>,elastic,chunk,auto")
     ap.add_argument("--duration-s", type=float, default=25.0, help="arrivals per policy run")
     ap.add_argument("--drain-s", type=float, default=10.0, help="after the arrivals, before cutting what is left")
+    ap.add_argument("--warmup-s", type=float, default=10.0,
+                    help="the trace's first seconds replayed before the measured runs (not counted)")
     ap.add_argument("--decode-rate", type=float, default=4.0,
                     help="decode-load arrivals per second (Poisson); the default is a load the sized engine carries")
     ap.add_argument("--decode-prompt-tokens", default="1024,3072")
@@ -285,8 +336,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--tp", type=int, default=1, choices=(1,), help="TP=2 needs a two-GPU machine (not built here)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "seed_experiment.json"))
+    ap.add_argument("--plot", metavar="JSON", default=None,
+                    help="run nothing: draw the figure of a result JSON into the .png beside it")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            result = json.load(f)
+        plot(result, os.path.splitext(args.plot)[0] + ".png")
+        return result
     if (args.ttft_slo_ms is None) != (args.itl_slo_ms is None):
         ap.error("--ttft-slo-ms and --itl-slo-ms go together (or neither: SLOs from the first policy's run)")
     args.budgets = tuple(int(x) for x in args.budgets.split(","))
@@ -300,12 +358,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     t0 = time.time()
     engine = build_engine(args)
     vocab = engine.model_config.vocab_size
-    warm_up(engine, args, vocab)
     trace = make_trace(args)
+    warm_up(engine, args, vocab, trace)
     rows: dict[str, dict] = {}
     result = {"provenance": provenance(
         "bench.seed_experiment", argv, args.device, args.seed,
-        warm_up="one long prompt at each budget and 8 short requests, not counted",
+        warm_up=f"one long prompt at each budget and 8 short requests, then the trace's first {args.warmup_s} s at "
+                f"the high budget; not counted",
         counted="every request of the trace; cut requests count as missed", torch=torch.__version__),
         "trace": {"requests": len(trace), "long": sum(a.kind == "long" for a in trace),
                   "duration_s": args.duration_s},

@@ -14,8 +14,11 @@ change), and the policies keep a hysteresis band of their own.
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
 - `auto`: per replica, measures both (a trial of `trial_rounds` rounds each, with the other knob at its neutral
   setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
-  SLOs more often, and measures again after `exploit_rounds`. It decides from what it measured, never from
-  a default belief about which knob pays.
+  SLOs more often (a tie keeps the last one tried), and measures again after `exploit_rounds`. It decides from
+  what it measured, never from a default belief about which knob pays. The order of the trials only saves
+  changes: a round of trials ends with the arm it found in force, so that if that arm wins again it goes on
+  as it was (nothing taken back and redone); the first round tries `elastic` first, because its neutral
+  setting, the full budget, is the state an engine starts in.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import Optional, Protocol
 from replicas.stats import EngineStats
 
 POLICIES = ("static", "chunk", "elastic", "auto")
-ARMS = ("chunk", "elastic")
+ARMS = ("elastic", "chunk")          # the first round of trials, in this order
 
 
 @dataclass(frozen=True)
@@ -168,15 +171,15 @@ class AutoPolicy(ConfiguredPolicy):
         cfg = self.cfg
         arms = list(ARMS) if view.elastic_available else ["chunk"]
         if state.get("arm") not in arms:
+            state.update(scores={}, order=arms)
             self._enter(state, arms[0], "trial" if len(arms) > 1 else "exploit", now)
-            state["scores"] = {}
         state["arm_rounds"] = state.get("arm_rounds", 0) + 1
         arm = state["arm"]
         if state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
             score = view.window(state["entered_at"]).attainment(cfg)
             if score is not None or state["arm_rounds"] >= 3 * cfg.trial_rounds:
                 state["scores"][arm] = score
-                untried = [a for a in arms if a not in state["scores"]]
+                untried = [a for a in state.get("order", arms) if a not in state["scores"]]
                 if untried:
                     self._enter(state, untried[0], "trial", now)
                 else:
@@ -184,8 +187,9 @@ class AutoPolicy(ConfiguredPolicy):
                     best = max(scored, key=lambda a: (scored[a], a == arm)) if scored else arm
                     self._enter(state, best, "exploit", now)
         elif state["phase"] == "exploit" and len(arms) > 1 and state["arm_rounds"] >= cfg.exploit_rounds:
-            state["scores"] = {}
-            self._enter(state, arms[0], "trial", now)
+            order = [a for a in arms if a != arm] + [arm]         # the arm in force is tried last
+            state.update(scores={}, order=order)
+            self._enter(state, order[0], "trial", now)
         return self._neutral(view, state["arm"]) or self.arms[state["arm"]].decide(view, state, now)
 
     @staticmethod

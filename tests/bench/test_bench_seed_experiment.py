@@ -1,11 +1,13 @@
 """bench.seed_experiment on CPU (SmolLM2's shape, one layer, a few seconds of trace): the first policy's run sets
 the SLOs every policy is judged by, unless they are given; each run's goodput counts the requests that met them."""
+import json
+
 import pytest
 
 from bench.seed_experiment import calibrated_slos, main, slo_met
 
 TINY = ["--shape", "smollm2-135m", "--device", "cpu", "--num-layers", "1", "--duration-s", "2", "--drain-s", "3",
-        "--decode-rate", "3", "--long-every-s", "1", "--long-tokens", "256,512", "--decode-prompt-tokens", "16,32",
+        "--warmup-s", "1", "--decode-rate", "3", "--long-every-s", "1", "--long-tokens", "256,512", "--decode-prompt-tokens", "16,32",
         "--decode-output-tokens", "4,8", "--budgets", "512,128", "--num-kv-blocks", "128", "--reserve-blocks", "16",
         "--interval-s", "0.5", "--trial-rounds", "1"]
 
@@ -25,6 +27,8 @@ def test_first_policy_sets_the_slos_every_policy_is_judged_by(tmp_path):
         met = slo_met(r["request_latencies_s"], slo["ttft_ms"], slo["itl_ms"])
         assert r["goodput"] == round(met / 2, 4) and r["slo_attainment"] == round(met / r["requests"], 4)
     assert "auto_goodput_vs_best_static" in res["tp1"]
+    assert main(["--plot", str(tmp_path / "a.json")]) == json.loads((tmp_path / "a.json").read_text())
+    assert (tmp_path / "a.png").stat().st_size > 0
     given = main(TINY + ["--policies", "static512", "--ttft-slo-ms", "0", "--itl-slo-ms", "0",
                          "--out", str(tmp_path / "b.json")])
     assert given["slo"]["set_by"] == "given" and given["tp1"]["runs"]["static512"]["goodput"] == 0

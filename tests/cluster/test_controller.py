@@ -64,28 +64,41 @@ def test_elastic_lends_under_kv_pressure_and_stops_under_prefill_pressure():
 
 
 def test_auto_measures_both_knobs_then_keeps_the_one_that_met_the_slo_more_often():
-    """The chunk trial sees slow first tokens, the elastic trial fast ones: auto settles on elastic, having put
-    each arm's other knob at its neutral setting, and measures both again after exploit_rounds."""
+    """The elastic trial (first: its neutral setting is the engine's start) sees fast first tokens, the chunk
+    trial slow ones: auto settles on elastic, having put each arm's other knob at its neutral setting, and
+    measures both again after exploit_rounds, the arm in force last."""
     auto, state, now = AutoPolicy(CFG), {}, 100.0
     seen = []
     for r in range(8):
-        arm = state.get("arm", "chunk")
-        slow = arm == "chunk"
+        slow = state.get("arm") == "chunk"
         v = view([300.0] * 3 if slow else [20.0] * 3, at=now - 0.5, budget=512, elastic_mode="elastic" if r else "off")
         seen.append((state.get("phase"), state.get("arm"), auto.decide(v, state, now)))
         now += 1.0
-    assert seen[1][2] == [Decision("elastic", "off", "auto_chunk")]      # chunk trial: lending off
+    assert seen[0][2] == [Decision("max_num_batched_tokens", 1024, "auto_elastic")]     # elastic trial: full budget
+    assert seen[2][2] == [Decision("elastic", "off", "auto_chunk")]                     # chunk trial: lending off
     arms = [arm for _, arm, _ in seen]
-    assert arms[1:3] == ["chunk"] * 2 and arms[3:6] == ["elastic"] * 3
-    assert state["scores"] == {"chunk": 0.0, "elastic": 1.0}
+    assert arms[1:3] == ["elastic"] * 2 and arms[3:6] == ["chunk"] * 3
+    assert state["scores"] == {"elastic": 1.0, "chunk": 0.0}
     assert state["phase"] == "exploit" and state["arm"] == "elastic"
-    assert any(d == [Decision("max_num_batched_tokens", 1024, "auto_elastic")] for _, _, d in seen)
     rounds = 0
     while state["phase"] == "exploit":
         auto.decide(view([20.0] * 3, at=now - 0.5, budget=1024, elastic_mode="elastic"), state, now)
         now, rounds = now + 1.0, rounds + 1
         assert rounds <= CFG.exploit_rounds
-    assert state["arm"] == "chunk" and state["scores"] == {}
+    assert state["arm"] == "chunk" and state["scores"] == {} and state["order"] == ["chunk", "elastic"]
+
+
+def test_auto_keeps_the_last_arm_tried_on_a_tie_so_nothing_changes_back():
+    """Both trials meet the SLO equally: the winner is chunk, the arm tried last, and the budget chunk lowered
+    stays where it is (no decision takes it back up)."""
+    auto, state, now = AutoPolicy(CFG), {}, 100.0
+    decided = []
+    for _ in range(6):
+        budget = 1024 if state.get("arm") != "chunk" else 256
+        decided += auto.decide(view([20.0] * 3, at=now - 0.5, budget=budget, elastic_mode="off"), state, now)
+        now += 1.0
+    assert state["phase"] == "exploit" and state["arm"] == "chunk"
+    assert not [d for d in decided if d.reason == "auto_elastic"]
 
 
 class RecordingFleet:
