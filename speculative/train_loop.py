@@ -58,7 +58,8 @@ class TrainConfig:
     keep_checkpoints: int = 1
     target_features: str = "cached"        # "cached": the target runs once per pair before training (FeatureCache);
                                            # "online": inside every step
-    compile: bool = False                  # torch.compile the drafter's loss (CUDA only; every batch seq_len wide)
+    compile: bool = True                   # torch.compile the drafter's loss on CUDA (ignored on the CPU); every
+                                           # batch is then seq_len wide, one static shape
 
 
 class TargetModel(Protocol):
