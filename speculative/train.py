@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder: train_log.jsonl, run.json, checkpoints/, drafter/")
     p.add_argument("--resume", default=None,
                    help="a checkpoint folder, or an output folder, to continue from (default: --out's newest)")
+    p.add_argument("--init-drafter", default=None,
+                   help="a warm restart: a fresh run starts from this drafter folder's weights (a finished run's "
+                        "drafter/, or a bundled drafter; same shape), with a new optimizer; its tokens_seen carry on")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--workers", type=int, default=0, help="data-parallel workers (default: one per GPU, else 1)")
@@ -125,7 +128,8 @@ def run(args, argv: Optional[list[str]] = None) -> int:
     use_gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     job = TrainJob(pairs=args.pairs, out=os.path.abspath(args.out), cfg=cfg, target=args.target, layers=args.layers,
                    block_size=args.block_size, workers=args.workers, use_gpu=use_gpu,
-                   resume=os.path.abspath(args.resume) if args.resume else None, deadline=deadline)
+                   resume=os.path.abspath(args.resume) if args.resume else None, deadline=deadline,
+                   init_drafter=os.path.abspath(args.init_drafter) if args.init_drafter else None)
     os.makedirs(job.out, exist_ok=True)
     record_path = os.path.join(job.out, "run.json")
     previous = {}
@@ -147,6 +151,7 @@ def run(args, argv: Optional[list[str]] = None) -> int:
                   "peak_flops_per_device": peak,
                   "mfu_note": None if peak else "no MFU: no peak FLOP/s known for this device; pass --peak-flops",
                   "resumed_from": find_checkpoint(job.resume or os.path.join(job.out, "checkpoints")),
+                  "init_drafter": job.init_drafter,
                   "config": asdict(cfg)}
         print(f"data: {record['data']['source']}; target features {FEATURE_NOTES[cfg.target_features]}", flush=True)
         _write_run_record(job.out, record)

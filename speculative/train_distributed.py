@@ -8,6 +8,7 @@ the checkpoints into the output folder, which all workers share: they run on thi
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -36,6 +37,7 @@ class TrainJob:
     use_gpu: Optional[bool] = None      # None: when CUDA is available
     resume: Optional[str] = None        # a checkpoint folder, or an output folder holding checkpoints/
     deadline: Optional[float] = None    # time.time() by which the run stops, checkpointed (from --max-seconds)
+    init_drafter: Optional[str] = None  # a warm restart: a fresh run starts from this drafter folder's weights
 
 
 def shard_seed(seed: int, rank: int) -> int:
@@ -57,14 +59,34 @@ def train_worker(job: TrainJob, rank: int, world: int, device: torch.device,
     target.layer_ids = dcfg.target_layer_ids
     torch.manual_seed(cfg.seed)
     drafter = DominoDrafter(dcfg).to(device)
+    tokens_before = warm_start(drafter, job.init_drafter) if job.init_drafter else 0
     batcher = PairBatcher(read_pairs(job.pairs, rank, world), cfg.batch_size, cfg.seq_len, cfg.anchors_per_seq,
                           seed=shard_seed(cfg.seed, rank))
     trainer = Trainer(drafter, target, batcher, cfg, job.out, resume_from=job.resume, deadline=job.deadline,
-                      wrap=wrap)
+                      wrap=wrap, tokens_before=tokens_before)
     trainer.train()
     if rank == 0 and trainer.finished:
-        drafter.save(os.path.join(job.out, "drafter"))
+        final = os.path.join(job.out, "drafter")
+        drafter.save(final)
+        shutil.copyfile(trainer.log_path, os.path.join(final, "train_log.jsonl"))
     return trainer
+
+
+def warm_start(drafter: DominoDrafter, folder: str) -> int:
+    """Load the weights of a drafter folder (`DominoDrafter.save`'s layout, as `drafter/` of a finished run or a
+    bundled drafter) into `drafter`, whose shape it must have; returns the tokens it was trained on (its
+    train_log.jsonl's last `tokens_seen`, 0 without one). The optimizer starts afresh (with the LR warm-up): a
+    warm restart, for runs that continue on a machine the full checkpoint cannot reach."""
+    init = DominoDrafter.load(folder)
+    if init.cfg != drafter.cfg:
+        raise ValueError(f"{folder} holds a drafter of another shape: {init.cfg} (this run trains {drafter.cfg})")
+    drafter.load_state_dict(init.state_dict())
+    log = os.path.join(folder, "train_log.jsonl")
+    if not os.path.exists(log):
+        return 0
+    with open(log) as f:
+        lines = [line for line in f if line.strip()]
+    return int(json.loads(lines[-1]).get("tokens_seen") or 0) if lines else 0
 
 
 def worker_loop(config: dict) -> None:

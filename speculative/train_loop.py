@@ -172,7 +172,7 @@ class Trainer:
 
     def __init__(self, drafter: DominoDrafter, target: TargetModel, batcher: PairBatcher, cfg: TrainConfig,
                  out_dir: str, *, resume_from: Optional[str] = None, deadline: Optional[float] = None,
-                 wrap: Optional[Callable[[nn.Module], nn.Module]] = None):
+                 wrap: Optional[Callable[[nn.Module], nn.Module]] = None, tokens_before: int = 0):
         self.drafter, self.target, self.batcher, self.cfg, self.out_dir = drafter, target, batcher, cfg, out_dir
         self.device = next(drafter.parameters()).device
         distributed = dist.is_available() and dist.is_initialized()
@@ -188,6 +188,7 @@ class Trainer:
         self.save_seconds: Optional[float] = None
         self.feature_seconds: Optional[float] = None
         self.local_tokens = 0                  # prompt + response tokens this worker has trained on, resumes included
+        self.tokens_before = tokens_before     # trained on before this run's first step (a warm restart's drafter)
         self.stopped_early = False
         if cfg.target_features not in FEATURE_MODES:
             raise ValueError(f"target_features must be one of {FEATURE_MODES}, not {cfg.target_features!r}")
@@ -329,7 +330,7 @@ class Trainer:
                "lr": self.lr_at(self.step - 1), "lambda_base": self.lambda_at(self.step - 1),
                "step_ms": elapsed / steps * 1e3,
                "query_tokens_per_s": sequences * c.anchors_per_seq * self.drafter.cfg.block_size / elapsed,
-               "seq_tokens_per_s": window_tokens / elapsed, "tokens_seen": int(tokens_seen),
+               "seq_tokens_per_s": window_tokens / elapsed, "tokens_seen": self.tokens_before + int(tokens_seen),
                "mfu": window["flops"] / elapsed / self.peak_flops if self.peak_flops else None,
                "peak_memory_gib": peak.item() / 2**30}
         if self.rank == 0:
@@ -363,7 +364,8 @@ class Trainer:
             log_bytes = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
             meta = {"step": self.step, "finished": self.finished, "world_size": self.world_size,
                     "batchers": [state["batcher"] for state in everyone],
-                    "tokens_by_worker": [state["tokens"] for state in everyone], "optimizer": opt_meta,
+                    "tokens_by_worker": [state["tokens"] for state in everyone], "tokens_before": self.tokens_before,
+                    "optimizer": opt_meta,
                     "config": asdict(self.cfg), "drafter_config": json.loads(self.drafter.cfg.to_json()),
                     "log_bytes": log_bytes}
             write_checkpoint(self.ckpt_parent, self.step, tensors, meta, self.cfg.checkpoint_shard_bytes,
@@ -381,6 +383,7 @@ class Trainer:
         self.opt.load_state_dict(optimizer_state_dict(tensors, meta["optimizer"]))
         self.batcher.load_state(meta["batchers"][self.rank])
         self.local_tokens = meta.get("tokens_by_worker", [0] * self.world_size)[self.rank]
+        self.tokens_before = meta.get("tokens_before", 0)
         torch.set_rng_state(tensors[f"rng.torch.{self.rank}"])
         if self.device.type == "cuda" and f"rng.cuda.{self.rank}" in tensors:
             torch.cuda.set_rng_state(tensors[f"rng.cuda.{self.rank}"], self.device)

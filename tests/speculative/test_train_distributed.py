@@ -125,6 +125,29 @@ def test_a_run_stopped_at_step_10_resumes_to_the_uninterrupted_losses(tiny_setup
     assert find_checkpoint(str(root / "local-hurried")).endswith("step-00000001")
 
 
+@pytest.mark.timeout(90)
+def test_a_warm_restart_starts_from_a_finished_drafter_and_carries_its_tokens_on(tiny_setup):
+    """--init-drafter: a fresh run starts from a finished run's drafter/ (its train_log.jsonl is copied there),
+    so its first loss is the trained one's, not a random drafter's, and tokens_seen continues from it; a drafter
+    of another shape is refused."""
+    from speculative.train import main
+    root, target = tiny_setup
+    main(train_args(root, target, "warm-first", "--launcher", "local", "--workers", "1"))
+    first = log_records(root / "warm-first")
+    drafter = root / "warm-first" / "drafter"
+    assert log_records(drafter) == first                                  # the log travels with the weights
+    main(train_args(root, target, "warm-second", "--launcher", "local", "--workers", "1", "--steps", "5",
+                    "--init-drafter", str(drafter)))
+    main(train_args(root, target, "cold-second", "--launcher", "local", "--workers", "1", "--steps", "5"))
+    second, cold = log_records(root / "warm-second"), log_records(root / "cold-second")
+    assert [r["tokens_seen"] for r in second] == [first[-1]["tokens_seen"] + r["tokens_seen"] for r in cold]
+    assert second[0]["loss"] < cold[0]["loss"] - 0.5
+    assert json.load(open(root / "warm-second" / "run.json"))["init_drafter"] == str(drafter)
+    with pytest.raises(ValueError, match="another shape"):
+        main(train_args(root, target, "warm-wrong", "--launcher", "local", "--workers", "1", "--steps", "2",
+                        "--init-drafter", str(drafter), "--block-size", "8"))
+
+
 def test_cached_features_equal_the_targets_hidden_states_of_each_batch(tiny_setup):
     """FeatureCache: the target run once over the pairs (grouped by length, a few per pass) gives, for any batch,
     the rows the online step computes from the batch itself, and zeros at the padding columns."""
