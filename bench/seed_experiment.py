@@ -286,11 +286,11 @@ def plot(result: dict, path: str) -> None:
              title="goodput (solid), decode tok/s (hatched)")
     bars.set_xticklabels(names, rotation=20, fontsize=8)
     tok.set_ylabel("decode tok/s (hatched)")
-    high = result["tp1"]["runs"][names[0]]["budget_final"] if names[0].startswith("static") else None
+    high = max(r["budget_final"] for r in runs.values())          # every run starts at the sized budget
     for name, r in runs.items():
         if name.startswith("static"):
             continue
-        steps = [(0.0, high or r["budget_median"])] + [(t, v) for t, knob, v, _ in r["decisions"]
+        steps = [(0.0, high)] + [(t, v) for t, knob, v, _ in r["decisions"]
                                                        if knob == "max_num_batched_tokens"]
         steps.append((r["wall_s"], steps[-1][1]))
         budget.step([t for t, _ in steps], [v for _, v in steps], where="post", label=name, color=color[name])

@@ -4,8 +4,9 @@ A sequence asks for `num_tokens - num_computed_tokens` tokens (capped by the bud
 asks for one, a prefill for a chunk, a recompute after preemption for everything. A waiting sequence is
 admitted only when the blocks of its whole prompt (or recompute) are free, and takes them all at admission, so
 its later chunks never need a block. Preemption is by recompute, the newest decoding sequence first (a
-sequence still prefilling only when no decoding one is left), and a step that preempted admits nobody new. A sequence whose logits are processed
-beyond plain sampling's (a grammar or logit_bias) decodes plainly even when the others draft.
+sequence still prefilling only when no decoding one is left), and a step that preempted admits nobody new.
+A sequence whose logits are processed beyond plain sampling's (a grammar or logit_bias) decodes plainly even
+when the others draft.
 """
 from __future__ import annotations
 
