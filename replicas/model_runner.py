@@ -350,8 +350,14 @@ class ModelRunner:
             self.backend.plan(ctx)
             with forward_context(ctx):
                 hidden, self.last_aux_hidden = self.model(input_ids, positions, step.aux_layers)
-        sample = torch.from_numpy(step.sample_indices).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[sample])
+        rows = step.sample_indices
+        if len(rows) == hidden.shape[0]:        # every token samples (a decode step): rows 0..T-1, no gather
+            picked = hidden
+        else:
+            # From pinned memory: a copy from pageable memory may wait for the forward just enqueued, and the host
+            # work meant to overlap it (the grammar's fill, the sampler's launches) would follow it instead.
+            picked = hidden.index_select(0, to_device(rows, self.device))
+        logits = self.model.compute_logits(picked)
         return None if logits is None else logits.float()
 
     @torch.inference_mode()
