@@ -53,6 +53,7 @@ from bench.round_cost import MIN_ROUNDS, RoundLog, breakdown, round_cost
 from bench.shapes import SHAPES
 from bench.speculative_report import Run, build_report, format_table, round_overhead, temp_key
 from bench.tree_builder import builder_identity, time_tree_build
+from speculative.train_loop import LOG_NAME, last_log_record
 
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_heldout.json")
 
@@ -337,11 +338,10 @@ def drafter_training(folder: str) -> dict:
     """The `train` section: how the drafter in use was trained, from its own log (`train_log.jsonl`, as
     `python -m speculative.train` writes it): the last record's MFU, sequence tokens/s and tokens seen (null
     where that log predates the field)."""
-    path = os.path.join(folder, "train_log.jsonl")
-    if not os.path.exists(path):
-        return {"source": None, "note": f"{folder} has no train_log.jsonl"}
-    with open(path, encoding="utf-8") as f:
-        last = [json.loads(line) for line in f if line.strip()][-1]
+    last = last_log_record(folder)
+    if last is None:
+        return {"source": None, "note": f"{folder} has no {LOG_NAME}"}
+    path = os.path.join(folder, LOG_NAME)
     return {"source": os.path.relpath(path, REPO) if os.path.abspath(path).startswith(REPO) else path,
             "steps": last["step"], "mfu": last.get("mfu"), "tokens_per_s": last.get("seq_tokens_per_s"),
             "tokens_seen": last.get("tokens_seen"), "final_loss": last.get("final_loss"),

@@ -357,8 +357,7 @@ class ModelRunner:
             # From pinned memory: a copy from pageable memory may wait for the forward just enqueued, and the host
             # work meant to overlap it (the grammar's fill, the sampler's launches) would follow it instead.
             picked = hidden.index_select(0, to_device(rows, self.device))
-        logits = self.model.compute_logits(picked)
-        return None if logits is None else logits.float()
+        return self.model.compute_logits(picked)             # float32 (ParallelLMHead), None off rank 0
 
     @torch.inference_mode()
     def compact_kv(self, src_slots, dst_slots) -> None:

@@ -97,10 +97,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        seqs = self.seqs
-        if len(seqs) == 1:                   # n = 1, the common case: asked several times per sequence per step
-            return seqs[0].status is SequenceStatus.FINISHED
-        return all(s.is_finished for s in seqs)
+        for seq in self.seqs:                # asked several times per sequence per step: no generator
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     def make_output(self) -> RequestOutput:
         outs = []

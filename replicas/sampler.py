@@ -171,12 +171,9 @@ class Sampler(nn.Module):
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids [R] for the random rows' logits [R, V]."""
         fused = logits.is_cuda and self.fused
-        cuts = batch.use_top_k or batch.use_top_p or batch.use_min_p
-        if fused and not cuts:
-            from replicas.kernels.gumbel import gumbel_argmax
-            return gumbel_argmax(logits.contiguous(), batch.seed_lo, batch.seed_hi, batch.positions, _SALTS,
-                                 batch.temperature)
-        logits = logits / batch.temperature.unsqueeze(1)
+        divide_in_kernel = fused and not (batch.use_top_k or batch.use_top_p or batch.use_min_p)
+        if not divide_in_kernel:
+            logits = logits / batch.temperature.unsqueeze(1)
         if batch.use_top_k or batch.use_top_p:
             logits = logits.masked_fill(logits < top_k_top_p_cut(logits, batch), float("-inf"))
         if batch.use_min_p:
@@ -185,7 +182,8 @@ class Sampler(nn.Module):
             logits = logits.masked_fill(logits < cut, float("-inf"))
         if fused:
             from replicas.kernels.gumbel import gumbel_argmax
-            return gumbel_argmax(logits.contiguous(), batch.seed_lo, batch.seed_hi, batch.positions, _SALTS)
+            return gumbel_argmax(logits.contiguous(), batch.seed_lo, batch.seed_hi, batch.positions, _SALTS,
+                                 batch.temperature if divide_in_kernel else None)
         keys = row_keys(batch.seed_lo, batch.seed_hi, batch.positions)
         noise = gumbel_noise(keys, self._vocab_codes(logits.shape[-1], logits.device))
         return first_max_index(noise.add_(logits))

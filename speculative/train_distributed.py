@@ -8,7 +8,6 @@ the checkpoints into the output folder, which all workers share: they run on thi
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -22,7 +21,7 @@ from replicas.config import ModelConfig
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.train_checkpoint import find_checkpoint, read_manifest
 from speculative.train_data import PairBatcher, read_pairs
-from speculative.train_loop import TrainConfig, Trainer, load_hf_target
+from speculative.train_loop import LOG_NAME, TrainConfig, Trainer, last_log_record, load_hf_target
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def train_worker(job: TrainJob, rank: int, world: int, device: torch.device,
     if rank == 0 and trainer.finished:
         final = os.path.join(job.out, "drafter")
         drafter.save(final)
-        shutil.copyfile(trainer.log_path, os.path.join(final, "train_log.jsonl"))
+        shutil.copyfile(trainer.log_path, os.path.join(final, LOG_NAME))
     return trainer
 
 
@@ -81,12 +80,7 @@ def warm_start(drafter: DominoDrafter, folder: str) -> int:
     if init.cfg != drafter.cfg:
         raise ValueError(f"{folder} holds a drafter of another shape: {init.cfg} (this run trains {drafter.cfg})")
     drafter.load_state_dict(init.state_dict())
-    log = os.path.join(folder, "train_log.jsonl")
-    if not os.path.exists(log):
-        return 0
-    with open(log) as f:
-        lines = [line for line in f if line.strip()]
-    return int(json.loads(lines[-1]).get("tokens_seen") or 0) if lines else 0
+    return int((last_log_record(folder) or {}).get("tokens_seen") or 0)
 
 
 def worker_loop(config: dict) -> None:

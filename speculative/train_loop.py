@@ -32,6 +32,18 @@ from speculative.train_data import PairBatcher, TrainBatch
 from speculative.train_features import FeatureCache
 
 FEATURE_MODES = ("cached", "online")
+LOG_NAME = "train_log.jsonl"
+
+
+def last_log_record(folder: str) -> Optional[dict]:
+    """The last record of the training log in `folder` (a run's output folder, or a finished run's `drafter/`,
+    which carries a copy); None without one."""
+    path = os.path.join(folder, LOG_NAME)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    return json.loads(lines[-1]) if lines else None
 
 
 @dataclass(frozen=True)
@@ -182,7 +194,7 @@ class Trainer:
         self.step = 0
         self.total_steps = cfg.steps
         self.ckpt_parent = os.path.join(out_dir, "checkpoints")
-        self.log_path = os.path.join(out_dir, "train_log.jsonl")
+        self.log_path = os.path.join(out_dir, LOG_NAME)
         self.deadline = deadline or (time.time() + cfg.max_seconds if cfg.max_seconds else None)
         self.peak_flops = cfg.peak_flops or device_peak_flops(self.device)
         self.save_seconds: Optional[float] = None
@@ -397,7 +409,7 @@ class Trainer:
     def _restore_log(self, folder: str, log_bytes: int) -> None:
         """The log as it was at the checkpoint: records written after it are cut (they will be written again);
         a checkpoint from another output folder brings that folder's log along."""
-        source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(folder))), "train_log.jsonl")
+        source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(folder))), LOG_NAME)
         if not os.path.exists(source):
             return
         if os.path.exists(self.log_path) and os.path.samefile(source, self.log_path):
