@@ -92,8 +92,19 @@ def regenerate(llm, prompts: Sequence[str], max_tokens: int = 512, temperature: 
     """Responses by the target itself through tidal's engine (`replicas.LLM`), one user turn per prompt."""
     from replicas.sampling_params import SamplingParams
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    outs = llm.chat([[{"role": "user", "content": _fit_prompt(llm, p, max_tokens)}] for p in prompts], params)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
+
+
+def _fit_prompt(llm, prompt: str, max_tokens: int) -> str:
+    """`prompt` cut at its end, on a token boundary, so that the rendered turn plus `max_tokens` fits the engine's
+    context (ShareGPT holds prompts longer than a small model's context; each prompt still yields one pair)."""
+    room = llm.engine.max_model_len - max_tokens
+    rendered = len(llm.tokenizer.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True))
+    if rendered <= room:
+        return prompt
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    return llm.tokenizer.decode(ids[:max(len(ids) - (rendered - room) - 8, 1)])
 
 
 def regenerate_to_file(path: str, prompts: Sequence[str], target: Optional[str], max_tokens: int,

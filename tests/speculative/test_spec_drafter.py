@@ -256,3 +256,15 @@ def test_sharegpt_stream_and_stable_heldout_split():
     ids = [f"conv-{i}" for i in range(5000)]
     held = sum(in_heldout(i) for i in ids)
     assert 50 < held < 150 and in_heldout("conv-7") == in_heldout("conv-7")
+
+
+def test_regeneration_cuts_a_prompt_longer_than_the_context_and_still_answers_it():
+    from replicas.llm import LLM
+    from speculative.train_data import regenerate
+    llm = LLM(max_model_len=128, max_num_seqs=2)
+    try:
+        pairs = regenerate(llm, ["tell me about the sea " * 200, "hi"], max_tokens=16)
+    finally:
+        llm.shutdown()
+    assert len(pairs) == 2 and all(response for _, response in pairs)
+    assert len(pairs[0][0]) + 16 <= 128 and len(pairs[0][0]) > 64
