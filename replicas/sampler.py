@@ -12,8 +12,9 @@ Order of processing, all batched torch ops on the logits' device:
    stop_token_ids get -inf.
    logit_bias: each entry is added to its row's logit (one batched index_put over every row's entries).
    Grammar: the tokens a constrained row's grammar does not allow next get -inf (the row's packed bitmask,
-   replicas/structured/bitmask.py), in place: float32 logits given to the sampler may come back with those
-   entries at -inf, so a caller passes logits it does not read again. Rows without a grammar are untouched.
+   replicas/structured/bitmask.py; on CUDA with fused sampling one Triton launch, replicas/kernels/
+   token_bitmask.py), in place: float32 logits given to the sampler may come back with those entries at -inf,
+   so a caller passes logits it does not read again. Rows without a grammar are untouched.
    Logprobs stay those of step 1.
 4. Greedy rows (temperature 0): argmax of the penalised logits (first index on ties).
 5. Random rows: divide by temperature; top-k (keep logits >= the k-th largest); top-p on the
@@ -149,7 +150,7 @@ class Sampler(nn.Module):
         if batch.logit_bias is not None:
             logits = logits.index_put(batch.logit_bias.index, batch.logit_bias.values, accumulate=True)
         if batch.token_mask is not None:
-            apply_token_bitmask_(logits, batch.token_mask)
+            apply_token_bitmask_(logits, batch.token_mask, fused=self.fused)
 
         if batch.all_greedy:
             token_ids = first_max_index(logits)

@@ -2,7 +2,8 @@
 
 Layout (xgrammar's and llguidance's): int32 [rows, ceil(V / 32)], bit t % 32 of word t // 32 set = token t allowed.
 `apply_token_bitmask_` sets the disallowed logits of the constrained rows to -inf in place, with a few batched
-torch ops on the logits' device (CPU or CUDA, the same code); rows without a grammar are not touched. In place:
+torch ops on the logits' device (CPU or CUDA, the same code), or on CUDA with fused sampling in one Triton launch;
+rows without a grammar are not touched. In place:
 a step's logits are [B, V] floats, and every full-size copy of them (a gather of the constrained rows, a masked
 result, a scatter back) costs as much as the masking itself.
 """
@@ -46,8 +47,12 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return _unpacked(bitmask, vocab_size, True)
 
 
-def apply_token_bitmask_(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
-    """Sets the disallowed tokens of rows `mask.rows` of logits [B, V] to -inf, in place; returns `logits`."""
+def apply_token_bitmask_(logits: torch.Tensor, mask: TokenMask, fused: bool = False) -> torch.Tensor:
+    """Sets the disallowed tokens of rows `mask.rows` of logits [B, V] to -inf, in place; returns `logits`.
+    `fused` (CUDA): in one Triton launch (replicas/kernels/token_bitmask.py), the same result."""
+    if fused and logits.is_cuda and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        from replicas.kernels.token_bitmask import apply_token_bitmask_kernel_
+        return apply_token_bitmask_kernel_(logits, mask.bitmask, None if mask.leading else mask.rows)
     blocked = _unpacked(mask.bitmask, logits.shape[-1], False)
     if mask.leading:
         logits[:blocked.shape[0]].masked_fill_(blocked, float("-inf"))

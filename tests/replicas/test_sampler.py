@@ -443,6 +443,27 @@ def test_fused_gumbel_kernel_equals_the_torch_sample():
     assert torch.equal(gumbel_argmax(scores, seed_lo, seed_hi, positions, _SALTS, temperature), want)
 
 
+def test_fused_token_bitmask_kernel_equals_the_torch_ops():
+    """replicas/kernels/token_bitmask.py (Triton; on the CPU under TRITON_INTERPRET) masks exactly what the torch
+    path masks: several column blocks, a vocabulary not a multiple of 32, words with bit 31 set (negative int32),
+    rows given by index (the others untouched) and the leading form."""
+    from replicas.kernels.token_bitmask import BLOCK, apply_token_bitmask_kernel_
+    g = torch.Generator().manual_seed(12)
+    rows, vocab = 7, 2 * BLOCK + 77
+    logits = torch.randn(rows, vocab, generator=g)
+    allowed = torch.rand(3, vocab, generator=g) < 0.3
+    allowed[0] = False
+    allowed[0, [31, 63, vocab - 1]] = True                  # bit 31 of words 0 and 1
+    allowed[2] = True
+    bitmask = pack_allowed(allowed)
+    assert (bitmask < 0).any()
+    picked = torch.tensor([1, 4, 6])
+    want = apply_token_bitmask_(logits.clone(), TokenMask(picked, bitmask))
+    assert torch.equal(apply_token_bitmask_kernel_(logits.clone(), bitmask, picked), want)
+    want = apply_token_bitmask_(logits.clone(), TokenMask(None, bitmask, leading=True))
+    assert torch.equal(apply_token_bitmask_kernel_(logits.clone(), bitmask, None), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fused_sampling_equals_the_torch_ops():
