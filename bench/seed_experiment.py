@@ -1,6 +1,7 @@
 """The seed's controlled experiment (GPU): does lending the prefill reserve pay, or does the step budget?
 
     python -m bench.seed_experiment [--shape llama3-8b] [--duration-s 30] [--policies static32768,...]
+                                    [--repeats 2] [--max-seconds S] [--resume]
                                     [--out bench/results/seed_experiment.json]
 
 One engine of the shape (random bf16 weights, `load_format="dummy"`, elastic KV built at the high budget, prefix
@@ -24,6 +25,10 @@ its per-request TTFT and mean inter-token latency. Every policy, the first inclu
 SLOs, which the controller's policies also steer by; a fixed SLO that no policy meets on a heavy trace would
 rank them by a handful of requests. KV: the blocks lending adds (the reserve) against the blocks
 the low budget grants. Requests still running `--drain-s` after the trace ends are cut and count as missed.
+
+Every policy runs `--repeats` times, interleaved (repeat r starts from the r-th policy); figures are means over
+the runs, each run kept. `--max-seconds` ends a call before a run that would not fit, `--resume` continues the
+result at `--out` (same settings), so the repeats of a long trace spread over several calls.
 """
 from __future__ import annotations
 
@@ -237,28 +242,44 @@ def warm_up(engine: LLMEngine, args, vocab: int, trace: list[Arrival]) -> None:
         run_policy(engine, f"static{args.budgets[0]}", prefix, short, vocab)
 
 
-def summarize(rows: dict[str, dict], engine: LLMEngine, args) -> dict:
+def summarize(rows: dict[str, list[dict]], engine: LLMEngine, args) -> dict:
+    """The trace's figures over every repeat: each policy's goodput and decode throughput as the mean of its runs
+    (and each run's), auto against the better static both from the means and per repeat."""
     high, low = args.budgets
     bm, kv = engine.block_manager, engine.runner.kv
     out = {}
     for b in (low, high):
-        r = rows.get(f"static{b}")
-        if r is not None:
-            out[f"ttft_median_ms_chunk{b}"] = r["ttft_ms"]["median"]
-            out[f"ttft_p99_ms_chunk{b}"] = r["ttft_ms"]["p99"]
-            out[f"itl_median_ms_chunk{b}"] = r["decode_itl_ms"]["median"]
-            out[f"itl_p99_ms_chunk{b}"] = r["decode_itl_ms"]["p99"]
+        runs = rows.get(f"static{b}")
+        if runs:
+            for key, field, q in (("ttft_median_ms", "ttft_ms", "median"), ("ttft_p99_ms", "ttft_ms", "p99"),
+                                  ("itl_median_ms", "decode_itl_ms", "median"), ("itl_p99_ms", "decode_itl_ms", "p99")):
+                values = [r[field][q] for r in runs if r[field][q] is not None]
+                out[f"{key}_chunk{b}"] = round(statistics.median(values), 2) if values else None
     out["kv_gain_elastic_blocks"] = kv.reserve_blocks_built
     out["kv_gain_lower_chunk_blocks"] = kv.grant_target(low, high)
     out["kv_blocks_base"] = bm.num_base - sum(kv.grants)
     out["reserve_fraction"] = round(kv.reserve_blocks_built / max(1, bm.num_base - sum(kv.grants)), 5)
-    out["policies"] = {name: {"goodput": r["goodput"], "decode_tok_s": r["decode_tok_s"]} for name, r in rows.items()}
-    statics = [rows[p]["goodput"] for p in (f"static{high}", f"static{low}") if p in rows]
-    if "auto" in rows and statics:
-        out["auto_goodput_vs_best_static"] = round(rows["auto"]["goodput"] / max(max(statics), 1e-9), 4)
-        out["auto_chose"] = rows["auto"]["auto_state"]
+    out["policies"] = {name: {"goodput": round(statistics.mean(r["goodput"] for r in runs), 4),
+                              "goodput_repeats": [r["goodput"] for r in runs],
+                              "decode_tok_s": round(statistics.mean(r["decode_tok_s"] for r in runs), 1),
+                              "decode_tok_s_repeats": [r["decode_tok_s"] for r in runs]}
+                       for name, runs in rows.items() if runs}
+    statics = [p for p in (f"static{high}", f"static{low}") if rows.get(p)]
+    if rows.get("auto") and statics:
+        best = max(out["policies"][p]["goodput"] for p in statics)
+        out["auto_goodput_vs_best_static"] = round(out["policies"]["auto"]["goodput"] / max(best, 1e-9), 4)
+        paired = [rows["auto"][r]["goodput"] / max(max(rows[p][r]["goodput"] for p in statics), 1e-9)
+                  for r in range(min(len(rows[p]) for p in ["auto", *statics]))]
+        out["auto_goodput_vs_best_static_repeats"] = [round(x, 4) for x in paired]
+        out["auto_chose"] = [r["auto_state"] for r in rows["auto"]]
+    out["repeats"] = min((len(runs) for runs in rows.values()), default=0)
     out["runs"] = rows
     return out
+
+
+def result_runs(result: dict) -> dict[str, list[dict]]:
+    """Each policy's runs, one per repeat (a result written before repeats held one run per policy)."""
+    return {name: runs if isinstance(runs, list) else [runs] for name, runs in result["tp1"]["runs"].items()}
 
 
 def plot(result: dict, path: str) -> None:
@@ -267,7 +288,8 @@ def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    runs = result["tp1"]["runs"]
+    repeats = result_runs(result)
+    runs = {name: rs[0] for name, rs in repeats.items()}        # distributions and budgets: the first repeat's
     color = {name: f"C{i}" for i, name in enumerate(runs)}
     fig, (cdf, bars, budget) = plt.subplots(1, 3, figsize=(15, 4.6))
     for name, r in runs.items():
@@ -278,12 +300,20 @@ def plot(result: dict, path: str) -> None:
     cdf.legend(fontsize=8)
     names = list(runs)
     x = np.arange(len(names))
-    bars.bar(x - 0.2, [runs[n]["goodput"] for n in names], 0.4, color=[color[n] for n in names])
+    def mean_and_span(key: str) -> tuple[list[float], np.ndarray]:
+        values = [[r[key] for r in repeats[n]] for n in names]
+        means = [float(np.mean(v)) for v in values]
+        return means, np.array([[m - min(v) for m, v in zip(means, values)], [max(v) - m for m, v in zip(means, values)]])
+    goodput, goodput_span = mean_and_span("goodput")
+    decode, decode_span = mean_and_span("decode_tok_s")
+    bars.bar(x - 0.2, goodput, 0.4, yerr=goodput_span, capsize=3, color=[color[n] for n in names])
     tok = bars.twinx()
-    tok.bar(x + 0.2, [runs[n]["decode_tok_s"] for n in names], 0.4, color=[color[n] for n in names], alpha=0.4,
+    tok.bar(x + 0.2, decode, 0.4, yerr=decode_span, capsize=3, color=[color[n] for n in names], alpha=0.4,
             hatch="//")
+    count = min(len(v) for v in repeats.values())
     bars.set(xticks=x, ylabel="goodput: requests meeting both SLOs per s (solid)",
-             title="goodput (solid), decode tok/s (hatched)")
+             title=f"goodput (solid), decode tok/s (hatched): mean of {count} run{'s' * (count > 1)}"
+                   + (", bars min to max" if count > 1 else ""))
     bars.set_xticklabels(names, rotation=20, fontsize=8)
     tok.set_ylabel("decode tok/s (hatched)")
     high = max(r["budget_final"] for r in runs.values())          # every run starts at the sized budget
@@ -302,6 +332,32 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+RUN_ONLY_FLAGS = ("out", "plot", "resume", "max_seconds", "repeats")   # flags that do not change what a run measures
+
+
+def start_or_resume(args, argv: list[str], config: dict) -> tuple[dict, dict[str, list[dict]]]:
+    """(result, runs so far by policy): a new result, or with --resume the one at --out, whose settings must be
+    these (its SLOs then judge the new runs too)."""
+    this_call = provenance(
+        "bench.seed_experiment", argv, args.device, args.seed,
+        warm_up=f"one long prompt at each budget and 8 short requests, then the trace's first {args.warmup_s} s at "
+                f"the high budget; not counted (in every call)",
+        counted="every request of the trace; cut requests count as missed", torch=torch.__version__)
+    if not (args.resume and os.path.exists(args.out)):
+        result = {"provenance": this_call, "config": config, "tp2_status": "not run: no two-GPU machine was lent"}
+        if args.ttft_slo_ms is not None:
+            result["slo"] = {"ttft_ms": args.ttft_slo_ms, "itl_ms": args.itl_slo_ms, "set_by": "given"}
+        return result, {}
+    with open(args.out) as f:
+        result = json.load(f)
+    if result.get("config") != json.loads(json.dumps(config)):
+        raise SystemExit(f"--resume: {args.out} was run with other settings; give the same flags or a new --out")
+    if "slo" in result:
+        args.ttft_slo_ms, args.itl_slo_ms = result["slo"]["ttft_ms"], result["slo"]["itl_ms"]
+    result.setdefault("resumed_by", []).append(this_call)
+    return result, result_runs(result) if "tp1" in result else {}
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -336,6 +392,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--tp", type=int, default=1, choices=(1,), help="TP=2 needs a two-GPU machine (not built here)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "seed_experiment.json"))
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of every policy, interleaved: repeat r runs the policies in turn from the r-th on")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the --out result of the same settings: keep its runs and SLOs, run what is missing")
+    ap.add_argument("--max-seconds", type=float, default=0.0,
+                    help="stop before a run that would end past this many seconds (a result --resume continues)")
     ap.add_argument("--plot", metavar="JSON", default=None,
                     help="run nothing: draw the figure of a result JSON into the .png beside it")
     argv = sys.argv[1:] if argv is None else argv
@@ -347,6 +409,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return result
     if (args.ttft_slo_ms is None) != (args.itl_slo_ms is None):
         ap.error("--ttft-slo-ms and --itl-slo-ms go together (or neither: SLOs from the first policy's run)")
+    if args.repeats < 1:
+        ap.error("--repeats is at least 1")
     args.budgets = tuple(int(x) for x in args.budgets.split(","))
     for name in ("decode_prompt_tokens", "decode_output_tokens", "long_tokens"):
         setattr(args, name, tuple(int(x) for x in getattr(args, name).split(",")))
@@ -356,47 +420,58 @@ def main(argv: Optional[list[str]] = None) -> dict:
         ap.error("without fixed SLOs the first policy sets them, so it must be a static one")
 
     t0 = time.time()
+    config = {k: v for k, v in vars(args).items() if k not in RUN_ONLY_FLAGS}
+    result, rows = start_or_resume(args, argv, config)
+    wall_before = result.get("wall_seconds", 0.0)
+    plan = [(r, p) for r in range(args.repeats) for p in policies[r % len(policies):] + policies[:r % len(policies)]]
+    todo = [(r, p) for r, p in plan if not any(run.get("repeat", 0) == r for run in rows.get(p, []))]
     engine = build_engine(args)
     vocab = engine.model_config.vocab_size
     trace = make_trace(args)
     warm_up(engine, args, vocab, trace)
-    rows: dict[str, dict] = {}
-    result = {"provenance": provenance(
-        "bench.seed_experiment", argv, args.device, args.seed,
-        warm_up=f"one long prompt at each budget and 8 short requests, then the trace's first {args.warmup_s} s at "
-                f"the high budget; not counted",
-        counted="every request of the trace; cut requests count as missed", torch=torch.__version__),
-        "trace": {"requests": len(trace), "long": sum(a.kind == "long" for a in trace),
-                  "duration_s": args.duration_s},
-        "tp2_status": "not run: no two-GPU machine was lent"}
-    if args.ttft_slo_ms is not None:
-        result["slo"] = {"ttft_ms": args.ttft_slo_ms, "itl_ms": args.itl_slo_ms, "set_by": "given"}
-    for policy in policies:
-        rows[policy] = run_policy(engine, policy, trace, args, vocab)
+    result["trace"] = {"requests": len(trace), "long": sum(a.kind == "long" for a in trace),
+                       "duration_s": args.duration_s}
+    run_seconds = args.duration_s + args.drain_s + 15.0
+    for repeat, policy in todo:
+        if args.max_seconds and time.time() - t0 + run_seconds > args.max_seconds:
+            print(f"stopping before repeat {repeat} of {policy}: --max-seconds {args.max_seconds} would pass; "
+                  f"continue with --resume", flush=True)
+            break
+        started = time.time()
+        r = run_policy(engine, policy, trace, args, vocab)
+        run_seconds = max(run_seconds, time.time() - started + 5.0)
+        r["repeat"] = repeat
         if args.ttft_slo_ms is None:                 # the first policy's run sets the SLOs everyone is judged by
-            args.ttft_slo_ms, args.itl_slo_ms = calibrated_slos(rows[policy]["request_latencies_s"], args.slo_scale)
+            args.ttft_slo_ms, args.itl_slo_ms = calibrated_slos(r["request_latencies_s"], args.slo_scale)
             result["slo"] = {"ttft_ms": args.ttft_slo_ms, "itl_ms": args.itl_slo_ms,
                              "set_by": f"{args.slo_scale} x the medians of {policy}'s requests"}
-        r = rows[policy]
         met = slo_met(r["request_latencies_s"], args.ttft_slo_ms, args.itl_slo_ms)
         r.update(goodput=round(met / args.duration_s, 4), slo_attainment=round(met / len(trace), 4))
-        print(f"{policy:>12}: goodput {r['goodput']:.3f}/s  decode {r['decode_tok_s']:.0f} tok/s  "
+        rows.setdefault(policy, []).append(r)
+        rows[policy].sort(key=lambda run: run["repeat"])
+        print(f"{policy:>12} r{repeat}: goodput {r['goodput']:.3f}/s  decode {r['decode_tok_s']:.0f} tok/s  "
               f"TTFT {r['ttft_ms']['median']}/{r['ttft_ms']['p99']} ms  ITL {r['decode_itl_ms']['median']}/"
               f"{r['decode_itl_ms']['p99']} ms  KV max {r['kv_usage_max']:.2f}  cut {r['cut']}  "
               f"budget {r['budget_final']} elastic {r['elastic_final']}", flush=True)
-        result["tp1"] = summarize(rows, engine, args)
-        result["wall_seconds"] = round(time.time() - t0, 1)
+        result["tp1"] = summarize({p: rows[p] for p in policies if p in rows}, engine, args)
+        result["wall_seconds"] = round(wall_before + time.time() - t0, 1)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    if "tp1" not in result:
+        raise SystemExit("no run fitted in --max-seconds")
     tp1 = result["tp1"]
     print(f"\nKV blocks: base {tp1['kv_blocks_base']}, lending adds {tp1['kv_gain_elastic_blocks']}, "
           f"budget {low} grants {tp1['kv_gain_lower_chunk_blocks']} (reserve fraction {tp1['reserve_fraction']})")
-    print(f"{'policy':>12} {'goodput/s':>10} {'decode tok/s':>13}")
+    print(f"{'policy':>12} {'goodput/s':>10} {'decode tok/s':>13}  (mean of {tp1['repeats']} or more runs; each run's)")
     for name, p in tp1["policies"].items():
-        print(f"{name:>12} {p['goodput']:>10.3f} {p['decode_tok_s']:>13.0f}")
+        print(f"{name:>12} {p['goodput']:>10.3f} {p['decode_tok_s']:>13.0f}  {p['goodput_repeats']}")
     if "auto_goodput_vs_best_static" in tp1:
-        print(f"auto / best static goodput: {tp1['auto_goodput_vs_best_static']}  (auto chose {tp1['auto_chose']})")
+        print(f"auto / best static goodput: {tp1['auto_goodput_vs_best_static']} (per repeat "
+              f"{tp1['auto_goodput_vs_best_static_repeats']}; auto chose {tp1['auto_chose']})")
+    missing = len(plan) - sum(len(runs) for runs in rows.values())
+    if missing:
+        print(f"{missing} runs of {len(plan)} still to run: the same command with --resume")
     print(f"wrote {args.out}")
     return result
 

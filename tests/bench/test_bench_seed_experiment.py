@@ -18,17 +18,32 @@ def test_slos_are_a_multiple_of_the_reference_medians_and_count_both_bounds():
     assert slo_met(requests, 400.0, 40.0) == 2 and slo_met(requests, 150.0, 100.0) == 1
 
 
-@pytest.mark.timeout(120)
-def test_first_policy_sets_the_slos_every_policy_is_judged_by(tmp_path):
-    res = main(TINY + ["--policies", "static512,static128,auto", "--out", str(tmp_path / "a.json")])
+@pytest.mark.timeout(300)
+def test_first_policy_sets_the_slos_every_policy_is_judged_by_and_a_resumed_run_adds_repeats(tmp_path):
+    args = TINY + ["--policies", "static512,static128,auto", "--out", str(tmp_path / "a.json")]
+    res = main(args + ["--repeats", "1"])
     runs, slo = res["tp1"]["runs"], res["slo"]
     assert slo["set_by"].endswith("static512's requests") and slo["ttft_ms"] > 0 and slo["itl_ms"] > 0
-    for r in runs.values():
+    for (r,) in runs.values():
         met = slo_met(r["request_latencies_s"], slo["ttft_ms"], slo["itl_ms"])
         assert r["goodput"] == round(met / 2, 4) and r["slo_attainment"] == round(met / r["requests"], 4)
-    assert "auto_goodput_vs_best_static" in res["tp1"]
+    assert "auto_goodput_vs_best_static" in res["tp1"] and res["tp1"]["repeats"] == 1
     assert main(["--plot", str(tmp_path / "a.json")]) == json.loads((tmp_path / "a.json").read_text())
     assert (tmp_path / "a.png").stat().st_size > 0
-    given = main(TINY + ["--policies", "static512", "--ttft-slo-ms", "0", "--itl-slo-ms", "0",
+
+    # the same settings resumed with a second repeat: the first runs and the SLOs stand, each policy runs once more
+    first = json.loads((tmp_path / "a.json").read_text())["tp1"]["runs"]
+    more = main(args + ["--repeats", "2", "--resume"])
+    assert more["slo"] == slo and len(more["resumed_by"]) == 1 and more["tp1"]["repeats"] == 2
+    for name, pair in more["tp1"]["runs"].items():
+        assert [r["repeat"] for r in pair] == [0, 1] and json.loads(json.dumps(pair[0])) == first[name][0]
+        goodput = more["tp1"]["policies"][name]
+        assert goodput["goodput_repeats"] == [r["goodput"] for r in pair]
+        assert goodput["goodput"] == pytest.approx(sum(goodput["goodput_repeats"]) / 2, abs=1e-4)
+    assert len(more["tp1"]["auto_goodput_vs_best_static_repeats"]) == 2
+    with pytest.raises(SystemExit):                     # other settings: not the same experiment
+        main(args + ["--repeats", "2", "--resume", "--decode-rate", "2"])
+
+    given = main(TINY + ["--policies", "static512", "--repeats", "1", "--ttft-slo-ms", "0", "--itl-slo-ms", "0",
                          "--out", str(tmp_path / "b.json")])
-    assert given["slo"]["set_by"] == "given" and given["tp1"]["runs"]["static512"]["goodput"] == 0
+    assert given["slo"]["set_by"] == "given" and given["tp1"]["runs"]["static512"][0]["goodput"] == 0
