@@ -88,11 +88,29 @@ def write_pairs(path: str, pairs: Sequence[Pair], append: bool = False) -> None:
             f.write(json.dumps({"prompt_ids": list(prompt), "response_ids": list(response)}) + "\n")
 
 
-def regenerate(llm, prompts: Sequence[str], max_tokens: int = 512, temperature: float = 0.0) -> list[Pair]:
+@dataclass(frozen=True)
+class Ask:
+    """A prompt for the target to answer, greedily or sampled with its own seed."""
+    prompt: str
+    temperature: float = 0.0
+    seed: Optional[int] = None
+
+
+def passes_of(prompts: Sequence[str], passes: int, temperature: float) -> list[Ask]:
+    """Every prompt `passes` times, pass after pass: the first greedy, each later one sampled at `temperature`
+    with a seed of its own per prompt and pass (so a regenerated file is the same on any run, and each pass adds
+    answers the others do not hold)."""
+    asks = [Ask(p) for p in prompts]
+    for k in range(1, passes):
+        asks += [Ask(p, temperature, k * 1_000_003 + i) for i, p in enumerate(prompts)]
+    return asks
+
+
+def regenerate(llm, asks: Sequence[Ask], max_tokens: int = 512) -> list[Pair]:
     """Responses by the target itself through tidal's engine (`replicas.LLM`), one user turn per prompt."""
     from replicas.sampling_params import SamplingParams
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens)
-    outs = llm.chat([[{"role": "user", "content": _fit_prompt(llm, p, max_tokens)}] for p in prompts], params)
+    params = [SamplingParams(temperature=a.temperature, seed=a.seed, max_tokens=max_tokens) for a in asks]
+    outs = llm.chat([[{"role": "user", "content": _fit_prompt(llm, a.prompt, max_tokens)}] for a in asks], params)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
@@ -107,7 +125,7 @@ def _fit_prompt(llm, prompt: str, max_tokens: int) -> str:
     return llm.tokenizer.decode(ids[:max(len(ids) - (rendered - room) - 8, 1)])
 
 
-def regenerate_to_file(path: str, prompts: Sequence[str], target: Optional[str], max_tokens: int,
+def regenerate_to_file(path: str, prompts: Sequence[Ask], target: Optional[str], max_tokens: int,
                        engines: int = 1, seconds: float = 0.0, chunk: int = 512) -> dict:
     """Append the target's answers to `prompts` to the jsonl `path`, one line per prompt in order, starting
     after the lines already there (so an interrupted regeneration continues). `engines` > 1 runs one engine
@@ -139,7 +157,7 @@ def regenerate_to_file(path: str, prompts: Sequence[str], target: Optional[str],
 
 
 def _engines(target: Optional[str], engines: int):
-    """(generate(prompts, max_tokens) -> pairs in prompt order, stop()) over `engines` tidal engines."""
+    """(generate(asks, max_tokens) -> pairs in their order, stop()) over `engines` tidal engines."""
     from replicas.llm import LLM
     if engines <= 1:
         llm = LLM(model=target)

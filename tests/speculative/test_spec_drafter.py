@@ -258,13 +258,19 @@ def test_sharegpt_stream_and_stable_heldout_split():
     assert 50 < held < 150 and in_heldout("conv-7") == in_heldout("conv-7")
 
 
-def test_regeneration_cuts_a_prompt_longer_than_the_context_and_still_answers_it():
+def test_regeneration_cuts_a_prompt_longer_than_the_context_and_passes_add_sampled_answers():
     from replicas.llm import LLM
-    from speculative.train_data import regenerate
-    llm = LLM(max_model_len=128, max_num_seqs=2)
+    from speculative.train_data import Ask, passes_of, regenerate
+    asks = passes_of(["tell me about the sea " * 200, "name three colours"], 3, 1.0)
+    assert [(a.temperature, a.seed) for a in asks] == [(0.0, None)] * 2 + [(1.0, 1_000_003), (1.0, 1_000_004),
+                                                                            (1.0, 2_000_006), (1.0, 2_000_007)]
+    llm = LLM(max_model_len=128, max_num_seqs=4)
     try:
-        pairs = regenerate(llm, ["tell me about the sea " * 200, "hi"], max_tokens=16)
+        pairs = regenerate(llm, asks, max_tokens=16)
+        again = regenerate(llm, [asks[3], Ask(asks[3].prompt, 1.0, asks[3].seed + 1)], max_tokens=16)
     finally:
         llm.shutdown()
-    assert len(pairs) == 2 and all(response for _, response in pairs)
+    assert len(pairs) == 6 and all(response for _, response in pairs)
     assert len(pairs[0][0]) + 16 <= 128 and len(pairs[0][0]) > 64
+    assert {len(pairs[k][0]) for k in (0, 2, 4)} == {len(pairs[0][0])}     # every pass asks the same (cut) prompt
+    assert again[0] == pairs[3] and again[1][1] != pairs[3][1]              # a pass's answer is its seed's
