@@ -178,6 +178,9 @@ class SchedulingConfig(_Checked):
     max_num_seqs: int = setting(256, "sequences one engine step runs at most", minimum=1)
     max_model_len: Optional[int] = setting(None, "longest sequence, prompt and output (default: the model's "
                                                  "max_position_embeddings)", minimum=1)
+    async_scheduling: bool = setting(False, "schedule and launch a decode step before the last step's tokens are "
+                                            "read back, so the host's work between steps overlaps the device's "
+                                            "(one rank, no speculation, elastic lending off; docs/engine.md)")
 
 
 @dataclass(frozen=True)

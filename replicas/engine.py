@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 import time
 from typing import Optional, Union
@@ -30,11 +30,11 @@ from replicas.outputs import Logprob, RequestOutput
 from replicas.request import EngineStepError, Request, RequestError, check_logit_bias, check_params, check_prompt
 from replicas.sampler import Sampler, SamplingBatch
 from replicas.sampling_params import SamplingParams
-from replicas.scheduler import Scheduler
+from replicas.scheduler import ScheduledBatch, Scheduler
 from replicas.sequence import Sequence
 from replicas.speculation_api import Proposer, VerifiedRound, Verifier, load_speculation
 from replicas.stats import EngineStats, RequestTimings
-from replicas.step_input import StepInput, StepTrees
+from replicas.step_input import StepInput, StepTrees, decode_ahead
 from replicas.stream_coalescer import StreamCoalescer
 from replicas.structured.backend import GrammarError
 from replicas.structured.guided import GuidedDecoding
@@ -109,6 +109,8 @@ class LLMEngine:
                                          self.model_config.vocab_size, self.eos_token_ids,
                                          config.scheduling.max_num_seqs, self.runner.device)
         self._compiling: dict[str, Future] = {}     # request id -> its grammar's compile; it waits outside the queue
+        self._pending: Optional[_Launched] = None     # async scheduling: a sampled step not yet read back
+        self._readback = TokenReadback(self.runner.device, config.scheduling.max_num_seqs)
 
     def _fit_max_model_len(self) -> int:
         """One sequence of max_model_len tokens must fit the blocks a sequence can always have (the base region:
@@ -199,9 +201,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._compiling:
             self._admit_compiled()
+        outputs: list[RequestOutput] = []
+        spec = self.speculator if self.speculation and self.speculator.enabled else None
+        if self._pending is not None:
+            ahead = self.scheduler.schedule_ahead({id(s) for s in self._pending.sampling_seqs}) \
+                if self._overlap_allowed(spec) else None
+            if ahead is not None:
+                return self._step_ahead(ahead)
+            outputs = self._finish_pending()
         if self.elastic is not None:
             self._elastic_guarded(self.elastic.before_schedule)   # reclaim before a prefill that needs the reserve
-        spec = self.speculator if self.speculation and self.speculator.enabled else None
         start, emitted = time.perf_counter(), self.stats.generation_tokens
         self.scheduler.spec_budget = spec.budget(len(self.scheduler.running)) if spec is not None else 0
         batch = self.scheduler.schedule()
@@ -209,15 +218,20 @@ class LLMEngine:
             self._fail_unschedulable()
             if self._compiling:
                 wait(list(self._compiling.values()), COMPILE_WAIT_S, FIRST_COMPLETED)
-            return []
+            return outputs
         self._in_forward = False
         try:
-            outputs = self._run(batch, spec)
+            launched = self._launch(batch, spec)
+            self._sample(launched)
         except torch.OutOfMemoryError as e:
             if self._in_forward and self.runner.world_size > 1:
                 raise                   # the other ranks are inside this step's collectives
             self._fail_step(batch, e)
-            return []
+            return outputs
+        if self._may_overlap(launched):
+            self._pending = launched        # read back at the next step, after the one that follows is launched
+            return outputs
+        outputs += self._finish(launched)
         if spec is not None and not batch.has_prefill:
             drafted = sum(1 for i in range(len(batch.seqs)) if batch.num_drafts(i))
             if drafted in (0, len(batch.seqs)):
@@ -226,58 +240,121 @@ class LLMEngine:
                                   (self.stats.generation_tokens - emitted) / n)
         return outputs
 
-    def _run(self, batch, spec) -> list[RequestOutput]:
-        num_failed = len(self.failed)
+    # Async scheduling (`scheduling.async_scheduling`): a step that only samples (no draft rows) on one rank stays
+    # pending after its sampler is launched; the next `step()` schedules and launches the following decode step
+    # with the pending tokens as its device input (`Scheduler.schedule_ahead`, `decode_ahead`), and only then
+    # reads the pending tokens back and emits them, fills the grammar masks and launches that step's sampler.
+    # The host's work between two forwards thus runs while the device computes. Where the next step needs the
+    # tokens on the host (admission, prefill chunks, preemption, a draft round, elastic lending), the pending step
+    # is finished first and the step runs as a synchronous one. A sequence that finished with the pending token
+    # has a row in the step launched ahead: that row's token is dropped, and its KV write lands in a block no step
+    # reads (freed blocks are handed out again only to steps that run after it on the stream).
+    def _overlap_allowed(self, spec) -> bool:
+        return (self.config.scheduling.async_scheduling and spec is None and self.runner.world_size == 1
+                and (self.elastic is None or self.elastic.mode != "elastic"))
+
+    def _may_overlap(self, launched: "_Launched") -> bool:
+        return bool(launched.sampling) and self._overlap_allowed(launched.spec)
+
+    def _step_ahead(self, batch) -> list[RequestOutput]:
+        pending, self._pending = self._pending, None
+        self.stats.steps_ahead += 1
+        rows = {id(s): r for r, s in enumerate(pending.sampling_seqs)}
+        index = [rows[id(s)] for s in batch.seqs]
+        tokens = pending.out.token_ids
+        if index != list(range(len(tokens))):
+            tokens = tokens.index_select(0, to_device(np.asarray(index, dtype=np.int64), tokens.device))
+        try:
+            launched = self._launch(batch, None, decode_ahead(batch.seqs, self.config.cache.block_size, tokens))
+        except torch.OutOfMemoryError as e:
+            outputs = self._finish(pending)
+            self._fail_step(batch, e)
+            return outputs
+        outputs = self._finish(pending)
+        try:
+            self._sample(launched)
+        except torch.OutOfMemoryError as e:
+            self._fail_step(batch, e)
+            return outputs
+        if self._may_overlap(launched):
+            self._pending = launched
+        else:
+            outputs += self._finish(launched)
+        return outputs
+
+    def _finish_pending(self) -> list[RequestOutput]:
+        pending, self._pending = self._pending, None
+        return self._finish(pending) if pending is not None else []
+
+    def _launch(self, batch, spec, step: Optional[StepInput] = None) -> "_Launched":
+        """Propose (speculative rows), build the step's input (unless given) and launch its forward."""
         drafted = [i for i in range(len(batch.seqs)) if batch.num_drafts(i)]
         proposal = spec.propose([batch.seqs[i] for i in drafted], batch.num_drafts(drafted[0])) if drafted else None
         trees = StepTrees(np.asarray(drafted, dtype=np.int64), proposal.rows) if drafted else None
-        step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
-                                    spec.aux_layers if spec is not None else ())
-        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        guided = [row for row, i in enumerate(sampling) if batch.seqs[i].grammar is not None]  # rows of `sampling`
-        guided_seqs = [batch.seqs[sampling[r]] for r in guided]
-        broken: list[tuple[Sequence, Exception]] = []
+        if step is None:
+            step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
+                                        spec.aux_layers if spec is not None else ())
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)] if step.device_input_ids is None \
+            else list(range(len(batch.seqs)))
         self._in_forward = True
         logits = self.runner.execute(step)
         self._in_forward = False
-        plain_rows, spec_rows = self._logit_rows(batch, sampling, drafted) if drafted else ([], [])
-        tokens, out, refused = [], None, []
-        if sampling:
-            seqs = [batch.seqs[i] for i in sampling]
-            # filled while the forward runs (on CUDA it is only enqueued yet)
-            mask = self.guided.token_mask(guided_seqs, guided, broken) if guided else None
-            sb = SamplingBatch.build(
-                [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-                _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),
-                self.eos_token_ids, self.model_config.vocab_size, logits.device, token_mask=mask)
-            out = self.sampler(_take_rows(logits, plain_rows) if drafted else logits, sb)
-            tokens = out.token_ids.tolist()
-            if guided:
-                refused = self.guided.refused(guided_seqs, [tokens[r] for r in guided])
+        launched = _Launched(batch, spec, step, logits, sampling, drafted, proposal)
+        if drafted:
+            launched.plain_rows, launched.spec_rows = self._logit_rows(batch, sampling, drafted)
+        return launched
+
+    def _sample(self, launched: "_Launched") -> None:
+        """Fill the grammar masks (while the forward runs, on CUDA) and launch the sampler; on CUDA the sampled
+        tokens start their copy to pinned host memory."""
+        logits = launched.logits
+        if not launched.sampling:
+            return
+        seqs = launched.sampling_seqs
+        # rows of `sampling`; a sequence that ended with the step before (async) has a row whose token is dropped
+        guided = [row for row, seq in enumerate(seqs) if seq.grammar is not None and not seq.is_finished]
+        guided_seqs = [seqs[r] for r in guided]
+        mask = self.guided.token_mask(guided_seqs, guided, launched.broken) if guided else None
+        sb = SamplingBatch.build(
+            [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
+            _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),
+            self.eos_token_ids, self.model_config.vocab_size, logits.device, token_mask=mask)
+        launched.out = self.sampler(_take_rows(logits, launched.plain_rows) if launched.drafted else logits, sb)
+        launched.guided, launched.guided_seqs = guided, guided_seqs
+        launched.readback = self._readback.start(launched.out.token_ids)
+
+    def _finish(self, launched: "_Launched") -> list[RequestOutput]:
+        """Read the sampled tokens back, verify the draft rows, emit the tokens and the outputs due."""
+        batch, spec, step, out = launched.batch, launched.spec, launched.step, launched.out
+        num_failed = len(self.failed)
+        tokens, refused, broken = [], [], launched.broken
+        if launched.sampling:
+            tokens = self._readback.finish(launched.readback)
+            if launched.guided:
+                refused = self.guided.refused(launched.guided_seqs, [tokens[r] for r in launched.guided])
         now = time.monotonic()
         touched: dict[str, Request] = {}
         aux = self.runner.last_aux_hidden if spec is not None else None
         if aux:
             spec.observe_step(batch, step, aux)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if batch.num_drafts(i):
+            if batch.num_drafts(i) or seq.is_finished:     # finished: ended with the step before (async)
                 continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq, before)
         for seq, error in broken:
             self._fail_own(seq.request_id, error)
-        if drafted:
-            seqs = [batch.seqs[i] for i in drafted]
-            first_rows = [int(step.query_start_loc[i]) for i in drafted]
-            verified = self.verifier.verify(seqs, proposal, _take_rows(logits, spec_rows))
+        if launched.drafted:
+            seqs = [batch.seqs[i] for i in launched.drafted]
+            first_rows = [int(step.query_start_loc[i]) for i in launched.drafted]
+            verified = self.verifier.verify(seqs, launched.proposal, _take_rows(launched.logits, launched.spec_rows))
             self._apply_verified(seqs, verified, aux, first_rows, now)
             touched.update((s.request_id, self.requests[s.request_id]) for s in seqs if s.request_id in self.requests)
-        for row, i in enumerate(sampling):
-            seq = batch.seqs[i]
+        for row, seq in enumerate(launched.sampling_seqs):
             req = self.requests.get(seq.request_id)
-            if req is None:
-                continue                # failed earlier in this step, through another of its sequences
+            if req is None or seq.is_finished:
+                continue                # failed earlier in this step, or (async) ended with the step before
             try:
                 self._append_token(seq, tokens[row], out, row, now)
             except Exception as e:  # noqa: BLE001 - this request's own failure (detokenizer, stop check)
@@ -519,6 +596,8 @@ class LLMEngine:
     def reconfigure(self, max_num_batched_tokens: Optional[int] = None, elastic: Optional[str] = None,
                     speculation: Optional[bool] = None) -> dict:
         """Runtime knobs, applied between steps. Returns the settings now in force."""
+        if self._pending is not None and self.elastic is not None:
+            self._readback.wait()       # remapping the KV while an async-scheduled step still runs: not safe
         if max_num_batched_tokens is not None:
             n = int(max_num_batched_tokens)
             configured = self.config.scheduling.max_num_batched_tokens
@@ -581,6 +660,60 @@ class LLMEngine:
         self.runner.shutdown()
         if self.launcher is not None:
             self.launcher.shutdown()
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step whose forward is launched: what sampling it and finishing it need."""
+    batch: ScheduledBatch
+    spec: Optional[Proposer]
+    step: StepInput
+    logits: Optional[torch.Tensor]
+    sampling: list[int]                  # batch rows that sample one token
+    drafted: list[int]                   # batch rows that verify a draft tree
+    proposal: object = None
+    plain_rows: list[int] = field(default_factory=list)      # logit rows of `sampling` and of `drafted`
+    spec_rows: list[int] = field(default_factory=list)
+    broken: list = field(default_factory=list)               # (sequence, error): its grammar refused its tokens
+    guided: list[int] = field(default_factory=list)          # rows of `sampling` that follow a grammar
+    guided_seqs: list[Sequence] = field(default_factory=list)
+    out: object = None                   # the SamplerOutput
+    readback: object = None              # TokenReadback.start's handle
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        return [self.batch.seqs[i] for i in self.sampling]
+
+
+class TokenReadback:
+    """The sampled token ids' copy to the host. On CUDA into one pinned buffer, asynchronously, with an event to
+    wait for (not the whole stream, where an async-scheduled forward may already be queued behind the sampler);
+    one copy is outstanding at a time (a step's tokens are read before the next step's sampler is launched)."""
+
+    def __init__(self, device: torch.device, max_rows: int):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.buffer = torch.empty(max_rows, dtype=torch.int64, pin_memory=True)
+            self.event = torch.cuda.Event()
+
+    def start(self, token_ids: torch.Tensor):
+        if not self.cuda:
+            return token_ids
+        n = token_ids.shape[0]
+        self.buffer[:n].copy_(token_ids, non_blocking=True)
+        self.event.record()
+        return n
+
+    def finish(self, handle) -> list[int]:
+        if not self.cuda:
+            return handle.tolist()
+        self.event.synchronize()
+        return self.buffer[:handle].tolist()
+
+    def wait(self) -> None:
+        """Until the outstanding copy (the last work of its step) is done."""
+        if self.cuda:
+            self.event.synchronize()
 
 
 def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -85,6 +85,8 @@ METRICS: dict[str, MetricSpec] = {s.name: s for s in (
     MetricSpec("generation_tokens", C, "Tokens generated."),
     MetricSpec("iteration_tokens", C, "Tokens scheduled, summed over engine steps (divide by num_steps)."),
     MetricSpec("num_steps", C, "Engine steps run."),
+    MetricSpec("num_steps_ahead", C, "Engine steps launched before the last step's tokens were read back "
+                                     "(async scheduling)."),
     MetricSpec("request_success", C, "Finished requests by finish reason.", ("finished_reason",)),
     MetricSpec("time_to_first_token_seconds", H, "Time to first token.", buckets=TTFT_BUCKETS),
     MetricSpec("inter_token_latency_seconds", H, "Time between streamed tokens.", buckets=ITL_BUCKETS),
@@ -146,6 +148,7 @@ COUNTER_FIELDS: tuple[tuple[str, str], ...] = (
     ("preemptions", "num_preemptions"),
     ("iteration_tokens_total", "iteration_tokens"),
     ("num_steps", "num_steps"),
+    ("steps_ahead", "num_steps_ahead"),
     ("lend_total", "elastic_lend"),
     ("reclaim_total", "elastic_reclaim"),
     ("blocks_migrated", "blocks_migrated"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from memory.block_manager import BlockManager
 from replicas.sequence import Sequence, SequenceStatus
@@ -146,6 +147,32 @@ class Scheduler:
             drafts.append(0)
             budget -= n
         return ScheduledBatch(seqs, counts, preempted, drafts)
+
+    def schedule_ahead(self, sampling: set[int]) -> Optional[ScheduledBatch]:
+        """The next step while the last one's sampled tokens are still on the device (async scheduling): every
+        running sequence decodes the token the last step samples for it, at position `num_tokens`, whose block
+        it gets here. `sampling`: id() of each sequence that step samples. None where only a step that knows its
+        tokens may follow: a sequence waits (admission), a running one did not sample (it is prefilling), the
+        budget is too small, or blocks are short (preemption). A sequence whose sampled token will end it by
+        length sits this step out, so no row is spent on a token that cannot follow."""
+        if self.waiting or self.spec_budget or len(self.running) > self.max_num_batched_tokens:
+            return None
+        bm = self.block_manager
+        seqs, needed = [], 0
+        for seq in self.running:
+            if id(seq) not in sampling:
+                return None
+            p = seq.params
+            if ((p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens)
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                continue
+            seqs.append(seq)
+            needed += bm.blocks_needed(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
+        if not seqs or needed > bm.num_free_blocks:
+            return None
+        for seq in seqs:
+            bm.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
+        return ScheduledBatch(seqs, [1] * len(seqs))
 
     @staticmethod
     def _victim(running: list[Sequence], i: int) -> Sequence:

@@ -32,6 +32,7 @@ class EngineStats:
     # counters (monotonic)
     num_steps: int = 0
     prefill_steps: int = 0                 # steps with a prompt chunk (more than decode/verify tokens)
+    steps_ahead: int = 0                   # steps launched before the last one's tokens were read (async scheduling)
     prompt_tokens: int = 0                 # prompt tokens of requests that reached their first token (cache hits
                                            # included)
     generation_tokens: int = 0

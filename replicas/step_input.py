@@ -24,6 +24,7 @@ class StepInput:
     sample_indices: np.ndarray     # [S] int64: token rows whose logits are needed (one per sampling sequence)
     trees: Optional["StepTrees"] = None     # the draft trees its speculative rows verify
     aux_layers: tuple[int, ...] = ()
+    device_input_ids: Optional[Tensor] = None   # [T] int64 on the device: the input ids, in place of the host's
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +73,22 @@ class StepInput:
             slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=np.asarray(qsl, dtype=np.int32),
             seq_lens=np.asarray(lens, dtype=np.int32), block_tables=block_tables,
             sample_indices=np.asarray(sample, dtype=np.int64), trees=trees, aux_layers=tuple(aux_layers))
+
+
+def decode_ahead(seqs: list, block_size: int, tokens: Tensor) -> StepInput:
+    """A decode step whose input tokens are not on the host yet (async scheduling): row i decodes tokens[i] (on
+    the device, the last step's sample for seqs[i]) at position `num_tokens` of seqs[i], whose block is allocated."""
+    pos = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
+    slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, pos.tolist())]
+    width = max(len(s.block_table) for s in seqs)
+    block_tables = np.zeros((len(seqs), width), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        block_tables[i, :len(s.block_table)] = s.block_table
+    rows = np.arange(len(seqs) + 1)
+    return StepInput(input_ids=np.zeros(len(seqs), np.int64), positions=pos,
+                     slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=rows.astype(np.int32),
+                     seq_lens=(pos + 1).astype(np.int32), block_tables=block_tables,
+                     sample_indices=rows[:-1].astype(np.int64), device_input_ids=tokens)
 
 
 def probe_step(num_tokens: int, num_rows: int, block_size: int) -> StepInput:

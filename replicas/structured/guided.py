@@ -1,6 +1,6 @@
 """The engine's grammar state: one matcher per constrained sequence, each step's bitmask, accept and resync.
 
-Per step (replicas/engine.py, `LLMEngine._run`), for the constrained sequences that sample in it, all on the
+Per step (replicas/engine.py, `LLMEngine._sample`), for the constrained sequences that sample in it, all on the
 engine's thread:
   1. `token_mask(seqs, rows, broken)`, once the forward is launched: each matcher catches up with its sequence's
      tokens (the last step's sampled tokens, accepted here in one backend call), the step's bitmask rows are
