@@ -92,7 +92,8 @@ class Loop:
         tokens = after.generation_tokens - before.generation_tokens
         new_masks = after.grammar_mask_steps - before.grammar_mask_steps
         masks = after.grammar_mask_latencies[-new_masks:] if new_masks else []
-        return {"seconds": round(wall, 3), "steps": steps, "output_tokens": tokens,
+        return {"seconds": round(wall, 3), "steps": steps, "steps_ahead": after.steps_ahead - before.steps_ahead,
+                "output_tokens": tokens,
                 "tokens_per_s": round(tokens / wall, 1), "requests_finished": len(finished),
                 "mean_output_tokens": round(statistics.fmean(map(len, finished)), 1) if finished else None,
                 "mask_ms_per_step": round(statistics.fmean(masks) * 1e3, 4) if masks else None,
@@ -122,13 +123,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--records", type=int, default=8, help="records in the schema's array (sets the output length)")
     p.add_argument("--warmup", type=int, default=None, help="requests before each cell (default: --concurrency)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine schedules each decode step before the last one's tokens are read back")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "structured.json")
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error("--repeats must be at least 2 (the cells are interleaved)")
     args.warmup = args.concurrency if args.warmup is None else args.warmup
 
-    llm = LLM(model=args.model, device=args.device, seed=args.seed, max_num_seqs=max(args.concurrency, 1))
+    llm = LLM(model=args.model, device=args.device, seed=args.seed, max_num_seqs=max(args.concurrency, 1),
+              async_scheduling=args.async_scheduling)
     device = str(llm.engine.runner.device)
     schema = record_schema(args.records)
     prompts = []

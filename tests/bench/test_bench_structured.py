@@ -9,11 +9,13 @@ from tests.support.checkpoints import make_tiny_llama
 from bench.structured import main
 
 
-def test_structured_bench_smoke(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--async-scheduling"]])
+def test_structured_bench_smoke(tmp_path, extra):
     model = make_tiny_llama(str(tmp_path / "m"))
     out = tmp_path / "structured.json"
     res = main(["--model", model, "--device", "cpu", "--concurrency", "4", "--seconds", "1", "--repeats", "2",
-                "--records", "1", "--warmup", "2", "--out", str(out)])
+                "--records", "1", "--warmup", "2", "--out", str(out), *extra])
+    assert all((c["steps_ahead"] > 0) == bool(extra) for c in res["cells"])
     assert json.loads(out.read_text())["ratio"] == res["ratio"] > 0
     pairs = zip(res["cells"][0::2], res["cells"][1::2])
     assert all((p["mode"], c["mode"], p["repeat"]) == ("plain", "json_schema", c["repeat"]) for p, c in pairs)
