@@ -50,11 +50,12 @@ def license_text() -> tuple[str, str]:
 def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] float32 logits, on the CPU, of one teacher-forced prefill through the engine's runner."""
     from replicas.sequence import Sequence
+    from replicas.scheduler import ScheduledBatch
     from replicas.step_input import StepInput
     engine = llm.engine
     seq = Sequence("ppl", 0, ids, SamplingParams(temperature=0.0, max_tokens=1), 0, 0.0)
     engine.block_manager.allocate(seq, len(ids))
-    batch = type("B", (), {"seqs": [seq], "num_new_tokens": [len(ids)], "samples": lambda self, i: True})()
+    batch = ScheduledBatch([seq], [len(ids)])
     step = StepInput.from_batch(batch, engine.config.cache.block_size)
     step.sample_indices = torch.arange(len(ids)).numpy()
     try:

@@ -211,8 +211,9 @@ class StepGraphs:
             self.seq_lens[b:size].fill_(q)
             self.block_tables[b:size, :q] = 0  # padded lanes read block 0, never a stale (maybe unmapped) block
             pad_to = size * q
-        buf.input_ids[:t].copy_(step.device_input_ids if step.device_input_ids is not None
-                                else torch.from_numpy(step.input_ids), non_blocking=True)
+        buf.input_ids[:t].copy_(torch.from_numpy(step.input_ids), non_blocking=True)
+        if step.device_input_ids is not None:
+            buf.input_ids[:step.device_input_ids.shape[0]].copy_(step.device_input_ids)
         buf.positions[:t].copy_(torch.from_numpy(step.positions), non_blocking=True)
         if step.trees is not None:
             step.trees.write(step.query_start_loc, buf.input_ids[:t], buf.positions[:t], buf.tree_mask[:b])

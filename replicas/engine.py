@@ -34,7 +34,7 @@ from replicas.scheduler import ScheduledBatch, Scheduler
 from replicas.sequence import Sequence
 from replicas.speculation_api import Proposer, VerifiedRound, Verifier, load_speculation
 from replicas.stats import EngineStats, RequestTimings
-from replicas.step_input import StepInput, StepTrees, decode_ahead
+from replicas.step_input import StepInput, StepTrees
 from replicas.stream_coalescer import StreamCoalescer
 from replicas.structured.backend import GrammarError
 from replicas.structured.guided import GuidedDecoding
@@ -241,11 +241,12 @@ class LLMEngine:
         return outputs
 
     # Async scheduling (`scheduling.async_scheduling`): a step that only samples (no draft rows) on one rank stays
-    # pending after its sampler is launched; the next `step()` schedules and launches the following decode step
-    # with the pending tokens as its device input (`Scheduler.schedule_ahead`, `decode_ahead`), and only then
-    # reads the pending tokens back and emits them, fills the grammar masks and launches that step's sampler.
+    # pending after its sampler is launched; the next `step()` schedules the following step (`Scheduler.
+    # schedule_ahead`: every running sequence decodes its pending token, waiting ones are admitted after them) and
+    # launches it with the pending tokens as the first rows' device input (`StepInput.device_input_ids`), and only
+    # then reads the pending tokens back and emits them, fills the grammar masks and launches that step's sampler.
     # The host's work between two forwards thus runs while the device computes. Where the next step needs the
-    # tokens on the host (admission, prefill chunks, preemption, a draft round, elastic lending), the pending step
+    # tokens on the host (a sequence still prefilling, preemption, a draft round, elastic lending), the pending step
     # is finished first and the step runs as a synchronous one. A sequence that finished with the pending token
     # has a row in the step launched ahead: that row's token is dropped, and its KV write lands in a block no step
     # reads (freed blocks are handed out again only to steps that run after it on the stream).
@@ -260,12 +261,13 @@ class LLMEngine:
         pending, self._pending = self._pending, None
         self.stats.steps_ahead += 1
         rows = {id(s): r for r, s in enumerate(pending.sampling_seqs)}
-        index = [rows[id(s)] for s in batch.seqs]
-        tokens = pending.out.token_ids
-        if index != list(range(len(tokens))):
+        index = [rows[id(s)] for s in batch.seqs[:batch.ahead]]
+        tokens = pending.out.token_ids if index else None
+        if index and index != list(range(len(tokens))):
             tokens = tokens.index_select(0, to_device(np.asarray(index, dtype=np.int64), tokens.device))
         try:
-            launched = self._launch(batch, None, decode_ahead(batch.seqs, self.config.cache.block_size, tokens))
+            launched = self._launch(batch, None, StepInput.from_batch(batch, self.config.cache.block_size,
+                                                                      ahead_tokens=tokens))
         except torch.OutOfMemoryError as e:
             outputs = self._finish(pending)
             self._fail_step(batch, e)
@@ -294,8 +296,7 @@ class LLMEngine:
         if step is None:
             step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
                                         spec.aux_layers if spec is not None else ())
-        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)] if step.device_input_ids is None \
-            else list(range(len(batch.seqs)))
+        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         self._in_forward = True
         logits = self.runner.execute(step)
         self._in_forward = False
@@ -655,6 +656,7 @@ class LLMEngine:
         return s
 
     def shutdown(self) -> None:
+        self._pending = None
         if self.guided is not None:
             self.guided.shutdown()
         self.runner.shutdown()

@@ -343,8 +343,11 @@ class ModelRunner:
         else:
             ctx = self._context(step)
             own = step.trees is not None            # the trees are written in: never into the host arrays (CPU)
-            input_ids = (step.device_input_ids if step.device_input_ids is not None else
-                         torch.from_numpy(step.input_ids).to(self.device, non_blocking=True, copy=own))
+            ahead = step.device_input_ids
+            input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True,
+                                                            copy=own or ahead is not None)
+            if ahead is not None:
+                input_ids[:ahead.shape[0]].copy_(ahead)
             positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True, copy=own)
             if own:                                 # before the plan, which may read the tree mask
                 step.trees.write(step.query_start_loc, input_ids, positions, ctx.batch.tree_mask)

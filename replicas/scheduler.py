@@ -25,6 +25,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     preempted: list[Sequence] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)   # per sequence: draft-tree nodes verified (0 = plain row)
+    ahead: int = 0      # the first rows decode a token still on the device (Scheduler.schedule_ahead)
 
     def num_drafts(self, i: int) -> int:
         return self.drafts[i] if self.drafts else 0
@@ -48,7 +49,7 @@ class ScheduledBatch:
         seq = self.seqs[i]
         if self.num_drafts(i):
             return False
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return i < self.ahead or seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,15 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        if not preempted:
+            self._admit(seqs, counts, budget)
+        return ScheduledBatch(seqs, counts, preempted, drafts + [0] * (len(seqs) - len(drafts)))
+
+    def _admit(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
+        """Waiting sequences join the step (appended to `seqs`, `counts`) while the budget, the sequence limit and
+        the blocks of their whole prompts allow."""
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             fresh = not seq.block_table
             if fresh:
@@ -144,18 +153,17 @@ class Scheduler:
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
-            drafts.append(0)
             budget -= n
-        return ScheduledBatch(seqs, counts, preempted, drafts)
 
     def schedule_ahead(self, sampling: set[int]) -> Optional[ScheduledBatch]:
-        """The next step while the last one's sampled tokens are still on the device (async scheduling): every
-        running sequence decodes the token the last step samples for it, at position `num_tokens`, whose block
-        it gets here. `sampling`: id() of each sequence that step samples. None where only a step that knows its
-        tokens may follow: a sequence waits (admission), a running one did not sample (it is prefilling), the
-        budget is too small, or blocks are short (preemption). A sequence whose sampled token will end it by
-        length sits this step out, so no row is spent on a token that cannot follow."""
-        if self.waiting or self.spec_budget or len(self.running) > self.max_num_batched_tokens:
+        """The next step while the last one's sampled tokens are still on the device (async scheduling): its first
+        `ScheduledBatch.ahead` rows decode, for every running sequence, the token the last step samples for it, at
+        position `num_tokens`, whose block it gets here; waiting sequences are admitted after them as in
+        `schedule`. `sampling`: id() of each sequence that step samples. None where only a step that knows its
+        tokens may follow: a running sequence did not sample (it is prefilling), the budget cannot take every
+        decode, or blocks are short (preemption). A sequence whose sampled token will end it by length sits this
+        step out, so no row is spent on a token that cannot follow."""
+        if self.spec_budget or len(self.running) > self.max_num_batched_tokens:
             return None
         bm = self.block_manager
         seqs, needed = [], 0
@@ -168,12 +176,15 @@ class Scheduler:
                 continue
             seqs.append(seq)
             needed += bm.blocks_needed(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
-        if not seqs or needed > bm.num_free_blocks:
+        if needed > bm.num_free_blocks:
             return None
         for seq in seqs:
             bm.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
-        return ScheduledBatch(seqs, [1] * len(seqs))
-
+        ahead, counts = len(seqs), [1] * len(seqs)
+        self._admit(seqs, counts, self.max_num_batched_tokens - ahead)
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, counts, drafts=[0] * len(seqs), ahead=ahead)
     @staticmethod
     def _victim(running: list[Sequence], i: int) -> Sequence:
         """Whom to preempt so that running[i] gets its blocks: the newest decoding sequence after it; only when

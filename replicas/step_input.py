@@ -24,7 +24,7 @@ class StepInput:
     sample_indices: np.ndarray     # [S] int64: token rows whose logits are needed (one per sampling sequence)
     trees: Optional["StepTrees"] = None     # the draft trees its speculative rows verify
     aux_layers: tuple[int, ...] = ()
-    device_input_ids: Optional[Tensor] = None   # [T] int64 on the device: the input ids, in place of the host's
+    device_input_ids: Optional[Tensor] = None   # [K] int64 on the device: input ids 0..K-1, in place of the host's
 
     @property
     def num_tokens(self) -> int:
@@ -32,17 +32,28 @@ class StepInput:
 
     @staticmethod
     def from_batch(batch: ScheduledBatch, block_size: int, trees: Optional["StepTrees"] = None,
-                   aux_layers: tuple[int, ...] = ()) -> "StepInput":
+                   aux_layers: tuple[int, ...] = (), ahead_tokens: Optional[Tensor] = None) -> "StepInput":
         """trees: the draft trees of the speculative rows (trees.index), [root, nodes] in the scratch slots
         root .. root + N of each table, every row's logits kept; the host arrays hold the root's token and
-        position in each of a tree's slots (`StepTrees.write` puts the rest in on the device)."""
+        position in each of a tree's slots (`StepTrees.write` puts the rest in on the device).
+        ahead_tokens: the device tokens of the batch's first `batch.ahead` rows (async scheduling), each decoded at
+        position `num_tokens` of its sequence (the token is not in its token_ids yet)."""
         # Decodes (one new token) are the common row: plain Python scalars, no per-row numpy.
         ids, pos, slots, qsl, lens, sample = [], [], [], [0], [], []
         tables = [seq.block_table for seq in batch.seqs]
         tree_rows = set(trees.index.tolist()) if trees is not None else ()
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
             table = tables[i]
+            if i < batch.ahead:
+                p = seq.num_tokens
+                ids.append(0)
+                pos.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+                qsl.append(qsl[-1] + 1)
+                lens.append(p + 1)
+                sample.append(i)
+                continue
+            start = seq.num_computed_tokens
             if i in tree_rows:
                 ids.extend([seq.token_ids[start]] * n)
                 pos.extend([start] * n)
@@ -72,23 +83,8 @@ class StepInput:
             input_ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(pos, dtype=np.int64),
             slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=np.asarray(qsl, dtype=np.int32),
             seq_lens=np.asarray(lens, dtype=np.int32), block_tables=block_tables,
-            sample_indices=np.asarray(sample, dtype=np.int64), trees=trees, aux_layers=tuple(aux_layers))
-
-
-def decode_ahead(seqs: list, block_size: int, tokens: Tensor) -> StepInput:
-    """A decode step whose input tokens are not on the host yet (async scheduling): row i decodes tokens[i] (on
-    the device, the last step's sample for seqs[i]) at position `num_tokens` of seqs[i], whose block is allocated."""
-    pos = np.fromiter((s.num_tokens for s in seqs), np.int64, len(seqs))
-    slots = [s.block_table[p // block_size] * block_size + p % block_size for s, p in zip(seqs, pos.tolist())]
-    width = max(len(s.block_table) for s in seqs)
-    block_tables = np.zeros((len(seqs), width), dtype=np.int32)
-    for i, s in enumerate(seqs):
-        block_tables[i, :len(s.block_table)] = s.block_table
-    rows = np.arange(len(seqs) + 1)
-    return StepInput(input_ids=np.zeros(len(seqs), np.int64), positions=pos,
-                     slot_mapping=np.asarray(slots, dtype=np.int64), query_start_loc=rows.astype(np.int32),
-                     seq_lens=(pos + 1).astype(np.int32), block_tables=block_tables,
-                     sample_indices=rows[:-1].astype(np.int64), device_input_ids=tokens)
+            sample_indices=np.asarray(sample, dtype=np.int64), trees=trees, aux_layers=tuple(aux_layers),
+            device_input_ids=ahead_tokens)
 
 
 def probe_step(num_tokens: int, num_rows: int, block_size: int) -> StepInput:

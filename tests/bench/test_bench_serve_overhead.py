@@ -10,16 +10,17 @@ from cluster.serve_cmd import add_serve_parser, serve_app_args
 
 
 def test_direct_engine_config_is_what_tidal_serve_builds():
-    args = argparse.Namespace(device="cpu", load_format="auto", ingress="auto")
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
-    for model in (None, "/models/some.gguf"):
+    for model, async_scheduling in ((None, False), ("/models/some.gguf", False), (None, True)):
+        args = argparse.Namespace(device="cpu", load_format="auto", ingress="auto", async_scheduling=async_scheduling)
         ns = parser.parse_args(["serve", *serve_flags(model, args)])
         served = engine_config(serve_app_args(ns))
         assert served == direct_config(model, args)
+        assert served.scheduling.async_scheduling == async_scheduling
         assert ns.knob == [] and not ns.controller       # no runtime knob differs from the direct engine
     # on a GPU the two engines share it: only their memory shares differ
-    gpu = argparse.Namespace(device="cuda", load_format="auto", ingress="auto")
+    gpu = argparse.Namespace(device="cuda", load_format="auto", ingress="auto", async_scheduling=False)
     ns = parser.parse_args(["serve", *serve_flags(None, gpu)])
     served = engine_config(serve_app_args(ns))
     direct = direct_config(None, gpu)

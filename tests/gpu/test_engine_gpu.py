@@ -94,8 +94,9 @@ def test_smollm2_bf16_matches_hf():
 
 
 def test_async_scheduling_gives_the_synchronous_engines_tokens(tmp_path):
-    """CUDA graphs with the input ids taken on the device from the last step's samples, the tokens read back through
-    pinned memory after the next step is launched: the same tokens (greedy and seeded random) as the synchronous
+    """CUDA graphs (decode and mixed prefill steps) with the first rows' input ids taken on the device from the last
+    step's samples, the tokens read back through pinned memory after the next step is launched, waiting requests
+    admitted by steps launched ahead: the same tokens (greedy and seeded random) as the synchronous
     engine (a batch without the rows that end by length may round a float32 logit apart, so one request of 24 may
     part), most steps launched ahead."""
     folder = make_tiny_llama(str(tmp_path), num_attention_heads=8, num_key_value_heads=2, hidden_size=256,
@@ -103,7 +104,7 @@ def test_async_scheduling_gives_the_synchronous_engines_tokens(tmp_path):
     prompts = prompts_for(400, 24, seed=3)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=16 + 3 * (i % 5), ignore_eos=True)
               for i in range(len(prompts))]
-    kw = dict(model=folder, dtype="float32", max_num_seqs=32, num_kv_blocks=2048)
+    kw = dict(model=folder, dtype="float32", max_num_seqs=8, num_kv_blocks=2048)    # admissions in steps ahead
     outs = {}
     for flag in (False, True):
         llm = LLM(async_scheduling=flag, **kw)

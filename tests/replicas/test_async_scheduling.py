@@ -65,14 +65,14 @@ def test_outputs_equal_the_synchronous_engines(tiny):
 
 def test_preemption_and_a_small_budget_equal_the_synchronous_engines(tiny):
     """KV for a few sequences only: the scheduler preempts (a step that knows its tokens), the next step goes ahead
-    again; a budget smaller than the running set runs synchronous steps until the set fits it."""
+    again; a budget of 4 tokens: steps ahead admit the waiting requests one chunk at a time."""
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=40, ignore_eos=True)
               for i in range(len(PROMPTS))]
     want, sync_stats = run(tiny, params, num_kv_blocks=12)
     got, stats = run(tiny, params, num_kv_blocks=12, async_scheduling=True)
     assert got == want and sync_stats.preemptions > 0 and stats.preemptions > 0 and stats.steps_ahead > 0
     got, stats = run(tiny, params, async_scheduling=True, max_num_batched_tokens=4)
-    assert got == run(tiny, params, max_num_batched_tokens=4)[0] and 0 < stats.steps_ahead < stats.num_steps // 2
+    assert got == run(tiny, params, max_num_batched_tokens=4)[0] and stats.steps_ahead > 0
 
 
 def test_aborts_and_arrivals_between_steps(tiny):

@@ -10,6 +10,7 @@ from memory.block_manager import BlockManager
 from replicas import LLM, SamplingParams
 from replicas.loaders import default_model_path
 from replicas.sequence import Sequence
+from replicas.scheduler import ScheduledBatch
 from replicas.step_input import StepInput
 from tests.support.greedy import compare_greedy
 
@@ -81,8 +82,7 @@ def test_prompt_logits_match_hf(llm, prompts, hf_model):
     for ids in prompts[:4]:
         seq = Sequence("logits", 0, ids, GREEDY, 0, 0.0)
         engine.block_manager.allocate(seq, len(ids))
-        step = StepInput.from_batch(type("B", (), {"seqs": [seq], "num_new_tokens": [len(ids)],
-                                                   "samples": lambda self, i: True})(), engine.config.cache.block_size)
+        step = StepInput.from_batch(ScheduledBatch([seq], [len(ids)]), engine.config.cache.block_size)
         step.sample_indices = torch.arange(len(ids)).numpy()
         ours = engine.runner.execute(step)
         engine.block_manager.free(seq)

@@ -13,6 +13,7 @@ from replicas.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from replicas.layers.quantized_linear import QuantizedWeight
 from replicas.loaders.gguf_loader import quantized_weight
 from replicas.sequence import Sequence
+from replicas.scheduler import ScheduledBatch
 from replicas.step_input import StepInput
 from tests.support.greedy import compare_greedy
 
@@ -109,7 +110,7 @@ def test_default_model_greedy_matches_dequantized():
         engine = plain.engine
         seq = Sequence("logits", 0, ids, params, 0, 0.0)
         engine.block_manager.allocate(seq, len(ids))
-        batch = type("B", (), {"seqs": [seq], "num_new_tokens": [len(ids)], "samples": lambda self, i: True})()
+        batch = ScheduledBatch([seq], [len(ids)])
         step = StepInput.from_batch(batch, engine.config.cache.block_size)
         step.sample_indices = np.array([len(ids) - 1])
         try:
