@@ -6,7 +6,8 @@ admitted only when the blocks of its whole prompt (or recompute) are free, and t
 its later chunks never need a block. Preemption is by recompute, the newest decoding sequence first (a
 sequence still prefilling only when no decoding one is left), and a step that preempted admits nobody new.
 A sequence whose logits are processed beyond plain sampling's (a grammar or logit_bias) decodes plainly even
-when the others draft.
+when the others draft. With async scheduling, `schedule_ahead` plans the next step before the last one's tokens
+reach the host: each running sequence decodes the token still on the device, then waiting ones are admitted.
 """
 from __future__ import annotations
 
@@ -185,6 +186,7 @@ class Scheduler:
         if not seqs:
             return None
         return ScheduledBatch(seqs, counts, drafts=[0] * len(seqs), ahead=ahead)
+
     @staticmethod
     def _victim(running: list[Sequence], i: int) -> Sequence:
         """Whom to preempt so that running[i] gets its blocks: the newest decoding sequence after it; only when
