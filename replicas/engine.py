@@ -300,7 +300,8 @@ class LLMEngine:
         self._in_forward = True
         logits = self.runner.execute(step)
         self._in_forward = False
-        launched = _Launched(batch, spec, step, logits, sampling, drafted, proposal)
+        launched = _Launched(batch, spec, step, logits, sampling, [batch.seqs[i] for i in sampling], drafted,
+                             proposal)
         if drafted:
             launched.plain_rows, launched.spec_rows = self._logit_rows(batch, sampling, drafted)
         return launched
@@ -672,6 +673,7 @@ class _Launched:
     step: StepInput
     logits: Optional[torch.Tensor]
     sampling: list[int]                  # batch rows that sample one token
+    sampling_seqs: list[Sequence]        # their sequences, in that order
     drafted: list[int]                   # batch rows that verify a draft tree
     proposal: object = None
     plain_rows: list[int] = field(default_factory=list)      # logit rows of `sampling` and of `drafted`
@@ -681,10 +683,6 @@ class _Launched:
     guided_seqs: list[Sequence] = field(default_factory=list)
     out: object = None                   # the SamplerOutput
     readback: object = None              # TokenReadback.start's handle
-
-    @property
-    def sampling_seqs(self) -> list[Sequence]:
-        return [self.batch.seqs[i] for i in self.sampling]
 
 
 class TokenReadback:

@@ -110,19 +110,20 @@ def regenerate(llm, asks: Sequence[Ask], max_tokens: int = 512) -> list[Pair]:
     """Responses by the target itself through tidal's engine (`replicas.LLM`), one user turn per prompt."""
     from replicas.sampling_params import SamplingParams
     params = [SamplingParams(temperature=a.temperature, seed=a.seed, max_tokens=max_tokens) for a in asks]
-    outs = llm.chat([[{"role": "user", "content": _fit_prompt(llm, a.prompt, max_tokens)}] for a in asks], params)
+    outs = llm.generate([_user_turn(llm.tokenizer, a.prompt, llm.engine.max_model_len - max_tokens) for a in asks],
+                        params)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
-def _fit_prompt(llm, prompt: str, max_tokens: int) -> str:
-    """`prompt` cut at its end, on a token boundary, so that the rendered turn plus `max_tokens` fits the engine's
-    context (ShareGPT holds prompts longer than a small model's context; each prompt still yields one pair)."""
-    room = llm.engine.max_model_len - max_tokens
-    rendered = len(llm.tokenizer.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True))
-    if rendered <= room:
-        return prompt
-    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
-    return llm.tokenizer.decode(ids[:max(len(ids) - (rendered - room) - 8, 1)])
+def _user_turn(tokenizer, prompt: str, room: int) -> list[int]:
+    """The rendered user turn's token ids, its text cut at the end on a token boundary where the turn would pass
+    `room` tokens (ShareGPT holds prompts longer than a small model's context; each prompt still yields one pair)."""
+    ids = tokenizer.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    if len(ids) <= room:
+        return ids
+    text = tokenizer.encode(prompt, add_special_tokens=False)
+    cut = tokenizer.decode(text[:max(len(text) - (len(ids) - room) - 8, 1)])
+    return tokenizer.encode_chat([{"role": "user", "content": cut}], add_generation_prompt=True)
 
 
 def regenerate_to_file(path: str, prompts: Sequence[Ask], target: Optional[str], max_tokens: int,
