@@ -131,11 +131,12 @@ class Scheduler:
             self._admit(seqs, counts, budget)
         return ScheduledBatch(seqs, counts, preempted, drafts + [0] * (len(seqs) - len(drafts)))
 
-    def _admit(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
+    def _admit(self, seqs: list[Sequence], counts: list[int], budget: int, leaving: int = 0) -> None:
         """Waiting sequences join the step (appended to `seqs`, `counts`) while the budget, the sequence limit and
-        the blocks of their whole prompts allow."""
+        the blocks of their whole prompts allow. `leaving`: running sequences certain to finish before the step
+        runs (not in it), whose places it may already fill."""
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
             seq = self.waiting[0]
             fresh = not seq.block_table
             if fresh:
@@ -167,13 +168,14 @@ class Scheduler:
         if self.spec_budget or len(self.running) > self.max_num_batched_tokens:
             return None
         bm = self.block_manager
-        seqs, needed = [], 0
+        seqs, needed, leaving = [], 0, 0
         for seq in self.running:
             if id(seq) not in sampling:
                 return None
             p = seq.params
             if ((p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens)
                     or seq.num_tokens + 1 >= self.max_model_len):
+                leaving += 1
                 continue
             seqs.append(seq)
             needed += bm.blocks_needed(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
@@ -182,7 +184,7 @@ class Scheduler:
         for seq in seqs:
             bm.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
         ahead, counts = len(seqs), [1] * len(seqs)
-        self._admit(seqs, counts, self.max_num_batched_tokens - ahead)
+        self._admit(seqs, counts, self.max_num_batched_tokens - ahead, leaving)
         if not seqs:
             return None
         return ScheduledBatch(seqs, counts, drafts=[0] * len(seqs), ahead=ahead)

@@ -75,6 +75,17 @@ def test_preemption_and_a_small_budget_equal_the_synchronous_engines(tiny):
     assert got == run(tiny, params, max_num_batched_tokens=4)[0] and stats.steps_ahead > 0
 
 
+def test_a_sequence_ending_by_length_makes_room_in_the_step_ahead(tiny):
+    """At the sequence limit, a request whose pending token ends it by length gives its place to a waiting one in
+    the step launched ahead, so the async engine needs no more steps than the synchronous one."""
+    params = [SamplingParams(temperature=0.0, max_tokens=5 + i % 3, ignore_eos=True) for i in range(len(PROMPTS))]
+    for max_num_seqs in (2, 3):
+        want, sync_stats = run(tiny, params, max_num_seqs=max_num_seqs)
+        got, stats = run(tiny, params, max_num_seqs=max_num_seqs, async_scheduling=True)
+        assert got == want and stats.steps_ahead > 0
+        assert stats.num_steps <= sync_stats.num_steps
+
+
 def test_aborts_and_arrivals_between_steps(tiny):
     """A request aborted while its next step is launched ends there; requests added between steps are admitted by
     a synchronous step; every other request gets the tokens it gets alone."""
