@@ -6,7 +6,7 @@ rows that sample (`random_rows`), so greedy rows cost nothing beyond an argmax.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -124,6 +124,28 @@ class SamplingBatch:
             logit_bias=_build_logit_bias(params, device),
             token_mask=token_mask,
         )
+
+
+    @property
+    def per_row_state(self) -> bool:
+        """Whether a row holds state of its own beyond its params and seed: token histories (penalties, a stop
+        mask), biases or a grammar mask."""
+        return not (self.penalties is None and self.stop_mask is None and self.logit_bias is None
+                    and self.token_mask is None)
+
+    def repeat_rows(self, width: int) -> "SamplingBatch":
+        """Row r becomes rows r * width .. r * width + width - 1, each with r's params, seed and position (a
+        draft tree's verify rows: the caller offsets the positions). On the device, no host copy; only for a
+        batch without `per_row_state`."""
+        if self.per_row_state:
+            raise ValueError("rows with histories, biases or a grammar mask cannot be repeated")
+        if self.all_greedy:
+            return replace(self, num_rows=self.num_rows * width, all_random=self.num_rows == 0)
+        slots = torch.arange(width, device=self.random_rows.device)
+        return replace(self, num_rows=self.num_rows * width,
+                       random_rows=(self.random_rows[:, None] * width + slots).reshape(-1),
+                       **{name: getattr(self, name).repeat_interleave(width)
+                          for name in ("temperature", "top_k", "top_p", "min_p", "seed_lo", "seed_hi", "positions")})
 
 
 def _effective_top_k(top_k: int, vocab_size: int) -> int:

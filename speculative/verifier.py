@@ -46,6 +46,19 @@ class _PathHistory:
         return seq.output_token_ids + path[::-1]
 
 
+class _NoHistory:
+    """Histories of rows that read none (no penalties, no min_tokens ahead)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, r: int) -> list[int]:
+        raise AssertionError("a row without penalties or min_tokens ahead read its history")
+
+
 class TreeVerifier:
     """Samples every tree node with the engine's sampler and walks each tree from its root."""
 
@@ -54,15 +67,21 @@ class TreeVerifier:
 
     def verify(self, seqs: Seq[Sequence], proposal: DraftProposal, logits: torch.Tensor) -> VerifiedRound:
         """One device-to-host copy: the walk's result (a second, of the trees, for rows with penalties or a
-        min_tokens still ahead)."""
+        min_tokens still ahead). Without those, the sampling parameters are built per sequence and repeated on the
+        device for its tree's rows."""
         tree: DraftTree = proposal.trees
         width = proposal.rows.width
-        params = [s.params for s in seqs for _ in range(width)]
-        seeds = [s.seed for s in seqs for _ in range(width)]
-        roots = [s.num_tokens for s in seqs for _ in range(width)]
-        sb = SamplingBatch.build(params, seeds, roots, _PathHistory(seqs, tree, width, False),
-                                 _PathHistory(seqs, tree, width, True), self.eos_token_ids, self.vocab_size,
-                                 logits.device)
+        if any(s.params.penalized or s.num_output_tokens < s.params.min_tokens for s in seqs):
+            # histories that differ along each tree path: one row per node, its path's tokens included
+            sb = SamplingBatch.build([s.params for s in seqs for _ in range(width)],
+                                     [s.seed for s in seqs for _ in range(width)],
+                                     [s.num_tokens for s in seqs for _ in range(width)],
+                                     _PathHistory(seqs, tree, width, False), _PathHistory(seqs, tree, width, True),
+                                     self.eos_token_ids, self.vocab_size, logits.device)
+        else:                        # every node row samples with its sequence's params and seed
+            sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
+                                     _NoHistory(len(seqs)), _NoHistory(len(seqs)), self.eos_token_ids,
+                                     self.vocab_size, logits.device).repeat_rows(width)
         if not sb.all_greedy:        # a random row samples the token at root + its slot's offset
             sb.positions = sb.positions + proposal.rows.offsets.reshape(-1).to(logits.device)[sb.random_rows]
         out = self.sampler(logits, sb)

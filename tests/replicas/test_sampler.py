@@ -293,6 +293,26 @@ def test_penalties_are_not_built_when_unused():
     assert batch.penalties is None and batch.stop_mask is None and not batch.use_top_p
 
 
+@pytest.mark.parametrize("temps", [(0.0, 0.0), (0.0, 0.8), (1.0, 0.7)])
+def test_repeated_rows_equal_rows_built_one_by_one(temps):
+    """A draft tree's verify rows: each sequence's params and seed repeated for its `width` rows on the device give
+    the batch that building every row on the host gives, and the same samples."""
+    width = 3
+    params = [SamplingParams(temperature=t, top_k=4 if t else -1, top_p=0.9, min_p=0.05 * i)
+              for i, t in enumerate(temps)]
+    seeds, positions = [7, 2**40 + 3], [11, 30]
+    repeated = build(params, seeds, positions).repeat_rows(width)
+    rows = build([p for p in params for _ in range(width)], [s for s in seeds for _ in range(width)],
+                 [q for q in positions for _ in range(width)])
+    for name, value in vars(rows).items():
+        got = getattr(repeated, name)
+        assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, name
+    logits = torch.randn(len(params) * width, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(Sampler()(logits, repeated).token_ids, Sampler()(logits, rows).token_ids)
+    with pytest.raises(ValueError):
+        build([SamplingParams(temperature=1.0, presence_penalty=0.5)], outputs=[[1]]).repeat_rows(width)
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     V, stop = 10, 7
     logits = torch.zeros(5, V)
