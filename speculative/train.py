@@ -69,7 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-drafter", default=None,
                    help="a warm restart: a fresh run starts from this drafter folder's weights (a finished run's "
                         "drafter/, or a bundled drafter; same shape), with a new optimizer; its tokens_seen carry on")
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--layers", type=int, default=3, help="the drafter's depth: transformer layers")
+    p.add_argument("--intermediate-size", type=_above_zero(int), default=None,
+                   help="the drafter's width: its MLP's hidden size (default: the target's)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--workers", type=int, default=0, help="data-parallel workers (default: one per GPU, else 1)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
@@ -144,7 +146,8 @@ def run(args, argv: Optional[list[str]] = None) -> int:
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     use_gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     job = TrainJob(pairs=args.pairs, out=os.path.abspath(args.out), cfg=cfg, target=args.target, layers=args.layers,
-                   block_size=args.block_size, workers=args.workers, use_gpu=use_gpu,
+                   block_size=args.block_size, intermediate_size=args.intermediate_size, workers=args.workers,
+                   use_gpu=use_gpu,
                    resume=os.path.abspath(args.resume) if args.resume else None, deadline=deadline,
                    init_drafter=os.path.abspath(args.init_drafter) if args.init_drafter else None)
     os.makedirs(job.out, exist_ok=True)

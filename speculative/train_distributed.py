@@ -32,6 +32,7 @@ class TrainJob:
     target: Optional[str] = None        # HF folder or .gguf; None: the embedded SmolLM2
     layers: int = 3
     block_size: int = 16
+    intermediate_size: Optional[int] = None     # the drafter's MLP width; None: the target's
     workers: int = 0                    # 0: one per GPU, or one CPU worker on a machine without GPUs
     use_gpu: Optional[bool] = None      # None: when CUDA is available
     resume: Optional[str] = None        # a checkpoint folder, or an output folder holding checkpoints/
@@ -54,7 +55,7 @@ def train_worker(job: TrainJob, rank: int, world: int, device: torch.device,
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, hf_config = load_hf_target(job.target, (), device, dtype)
     dcfg = DrafterConfig.for_target(ModelConfig.from_hf(hf_config), num_layers=job.layers,
-                                    block_size=job.block_size)
+                                    block_size=job.block_size, intermediate_size=job.intermediate_size)
     target.layer_ids = dcfg.target_layer_ids
     torch.manual_seed(cfg.seed)
     drafter = DominoDrafter(dcfg).to(device)
