@@ -324,14 +324,21 @@ def fp8_perplexity(tokens: int = 512, **llm_kwargs) -> dict:
 
 
 def fp8_speedups(bf16: dict, fp8: dict) -> dict:
-    """fp8's speed over bf16's: output throughput, each timed decode batch (step time), the prefill step."""
+    """fp8's speed over bf16's: output throughput, each timed decode batch (step time), the prefill step; and under
+    `byte_ceiling` each decode batch's bytes read, bf16 over fp8: the speed-up that fewer bytes allow where both run
+    at the same fraction of copy bandwidth (the KV cache, bf16 in both, bounds it at large batches)."""
     out = {"output_tok_s": fp8["output_tok_s"] / bf16["output_tok_s"]}
-    steps = {p["batch"]: p["step_ms"] for p in bf16.get("decode_by_batch", [])}
+    steps = {p["batch"]: p for p in bf16.get("decode_by_batch", [])}
+    ceiling = {}
     for p in fp8.get("decode_by_batch", []):
         if p["batch"] in steps:
-            out[f"decode_b{p['batch']}"] = steps[p["batch"]] / p["step_ms"]
+            out[f"decode_b{p['batch']}"] = steps[p["batch"]]["step_ms"] / p["step_ms"]
+            if p.get("bytes") and steps[p["batch"]].get("bytes"):
+                ceiling[f"decode_b{p['batch']}"] = steps[p["batch"]]["bytes"] / p["bytes"]
     if "prefill_step_ms" in bf16 and "prefill_step_ms" in fp8:
         out["prefill"] = bf16["prefill_step_ms"] / fp8["prefill_step_ms"]
+    if ceiling:
+        out["byte_ceiling"] = ceiling
     return out
 
 

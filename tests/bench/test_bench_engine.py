@@ -34,6 +34,8 @@ def test_fp8_speedups_pair_the_runs_by_batch():
     fp8 = {"output_tok_s": 150.0, "prefill_step_ms": 20.0,
            "decode_by_batch": [{"batch": 1, "step_ms": 1.0}, {"batch": 64, "step_ms": 3.2}]}
     assert fp8_speedups(bf16, fp8) == {"output_tok_s": 1.5, "decode_b1": 2.0, "decode_b64": 1.25, "prefill": 1.5}
+    bf16["decode_by_batch"][1]["bytes"], fp8["decode_by_batch"][1]["bytes"] = 24e9, 16e9   # weights + bf16 KV
+    assert fp8_speedups(bf16, fp8)["byte_ceiling"] == {"decode_b64": 1.5}
 
 
 def test_fp8_perplexity_reports_both_paths_on_the_fixed_text():
