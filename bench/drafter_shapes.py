@@ -3,9 +3,9 @@ trained alike on the same data.
 
     python -m bench.drafter_shapes --pairs PAIRS.jsonl [--regenerate 4000 --regenerate-seconds 90]
         [--model PATH] [--layers 1,2,3] [--widths 1536] [--steps 1000] [--batch-size 16] [--anchors-per-seq 128]
-        [--lr 6e-4] [--seed 0] [--train-args "..."] [--work runs/drafter_shapes] [--prompts bench/data/sharegpt_heldout.json]
-        [--num-prompts 8] [--max-tokens 128] [--budget 16] [--min-cell-seconds 5] [--repeats 2]
-        [--max-seconds 0] [--resume] [--out bench/results/drafter_shapes.json]
+        [--lr 6e-4] [--seed 0] [--train-args "..."] [--work build/drafter_shapes]
+        [--prompts bench/data/sharegpt_heldout.json] [--num-prompts 8] [--max-tokens 128] [--budget 16]
+        [--min-cell-seconds 5] [--repeats 2] [--max-seconds 0] [--resume] [--out bench/results/drafter_shapes.json]
 
 Data: --pairs as `python -m speculative.train` reads it; with --regenerate N the target first answers N ShareGPT
 train-split prompts through tidal's engine into it (greedy, as the bundled drafter's data), once for every shape.
@@ -19,8 +19,9 @@ engine's in the same call (`speedup_b1`), the share of requests whose tokens equ
 speculative engine's start-up profile the draft ms (context update, drafter pass, tree build) at batch 1 and 8
 and the verify ms of 1 + budget tokens at batch 1. `bound_speedup_b1` = tau x plain_ms / (draft_ms + verify_ms):
 what the shape would give if a round cost only its two parts. `choice`: the shape with the highest measured
-speedup_b1 (each shape's against the plain engine of its own call). The JSON is written after every shape; --resume keeps the shapes already in --out when the settings
-match and measures the others; --max-seconds stops before a shape whose training would not fit.
+speedup_b1 (each shape's against the plain engine of its own call). The JSON is written after every shape;
+--resume keeps the shapes already in --out when the settings match and measures the others; --max-seconds stops
+before a shape whose training would not fit.
 """
 from __future__ import annotations
 
@@ -144,8 +145,8 @@ def run_bench(args, argv: list[str]) -> dict:
     regenerated = regenerate_pairs(args)
     settings = dict(model=args.model, pairs=args.pairs, pairs_lines=count_lines(args.pairs), steps=args.steps,
                     batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq, lr=args.lr, seed=args.seed,
-                    prompts=_shown(args.prompts), num_prompts=args.num_prompts,
-                    train_args=args.train_args, max_tokens=args.max_tokens, budget=args.budget, min_cell_seconds=args.min_cell_seconds,
+                    train_args=args.train_args, prompts=_shown(args.prompts), num_prompts=args.num_prompts,
+                    max_tokens=args.max_tokens, budget=args.budget, min_cell_seconds=args.min_cell_seconds,
                     repeats=args.repeats)
     report: dict = dict(settings=settings, shapes={})
     if args.resume and os.path.exists(args.out):
@@ -248,7 +249,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-args", default="", help="further speculative.train flags, the same for every shape")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--work", default="runs/drafter_shapes", help="training folders, one per shape")
+    p.add_argument("--work", default="build/drafter_shapes", help="training folders, one per shape")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="held-out prompts (JSON list of strings)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)

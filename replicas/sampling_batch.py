@@ -125,7 +125,6 @@ class SamplingBatch:
             token_mask=token_mask,
         )
 
-
     @property
     def per_row_state(self) -> bool:
         """Whether a row holds state of its own beyond its params and seed: token histories (penalties, a stop

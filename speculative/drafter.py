@@ -72,8 +72,9 @@ class DrafterConfig:
     @staticmethod
     def for_target(model: ModelConfig, num_layers: int = 3, num_target_layers: Optional[int] = None,
                    block_size: int = 16, intermediate_size: Optional[int] = None) -> "DrafterConfig":
-        """A drafter sized for `model` (its MLP as wide as the target's unless `intermediate_size`). Domino's Qwen3-8B head (hidden 4096) uses GRU 1024 and rank 256, i.e.
-        hidden/4 and hidden/16; we keep those ratios, rounded up to multiples of 64 (SmolLM2: 192 and 64)."""
+        """A drafter sized for `model`, its MLP as wide as the target's unless `intermediate_size`. Domino's Qwen3-8B
+        head (hidden 4096) uses GRU 1024 and rank 256, i.e. hidden/4 and hidden/16; we keep those ratios, rounded up
+        to multiples of 64 (SmolLM2: 192 and 64)."""
         return DrafterConfig(
             vocab_size=model.vocab_size, hidden_size=model.hidden_size,
             intermediate_size=intermediate_size or model.intermediate_size,

@@ -46,17 +46,17 @@ class _PathHistory:
         return seq.output_token_ids + path[::-1]
 
 
-class _NoHistory:
-    """Histories of rows that read none (no penalties, no min_tokens ahead)."""
+class _SeqHistory:
+    """Row b = sequence b's prompt or output, sliced only for the rows the sampler reads (a min_tokens check)."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, seqs: Seq[Sequence], prompt: bool):
+        self.seqs, self.prompt = seqs, prompt
 
     def __len__(self) -> int:
-        return self.n
+        return len(self.seqs)
 
-    def __getitem__(self, r: int) -> list[int]:
-        raise AssertionError("a row without penalties or min_tokens ahead read its history")
+    def __getitem__(self, b: int) -> list[int]:
+        return self.seqs[b].prompt_token_ids if self.prompt else self.seqs[b].output_token_ids
 
 
 class TreeVerifier:
@@ -80,7 +80,7 @@ class TreeVerifier:
                                      self.eos_token_ids, self.vocab_size, logits.device)
         else:                        # every node row samples with its sequence's params and seed
             sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-                                     _NoHistory(len(seqs)), _NoHistory(len(seqs)), self.eos_token_ids,
+                                     _SeqHistory(seqs, False), _SeqHistory(seqs, True), self.eos_token_ids,
                                      self.vocab_size, logits.device).repeat_rows(width)
         if not sb.all_greedy:        # a random row samples the token at root + its slot's offset
             sb.positions = sb.positions + proposal.rows.offsets.reshape(-1).to(logits.device)[sb.random_rows]

@@ -167,13 +167,15 @@ def test_stops_inside_an_accepted_run_match_plain(tiny, monkeypatch):
         llm.shutdown()
 
 
-def test_penalties_min_tokens_and_logprobs_see_the_path(tiny, monkeypatch):
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+                                       {}])
+def test_penalties_min_tokens_and_logprobs_see_the_path(tiny, monkeypatch, penalties):
     """Node rows are processed with the output history extended by their path: a perfect drafter under
-    penalties accepts long runs and reproduces plain decoding, logprobs included."""
+    penalties accepts long runs and reproduces plain decoding, logprobs included; without penalties, rows
+    sample with their sequence's params repeated, min_tokens still masking the stops until reached."""
     folder, hf, plain = tiny
     prompts = prompts_for(hf.config.vocab_size, seed=5)[:4]
-    params = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.5, presence_penalty=0.5,
-                            frequency_penalty=0.3, min_tokens=6, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=6, logprobs=2, **penalties)
     ref = plain.generate(prompts, params)
     perfect_propose(monkeypatch, {tuple(p): p + r.outputs[0].token_ids for p, r in zip(prompts, ref)})
     llm = spec_llm(folder, spec_budget=8)
