@@ -28,7 +28,8 @@ from replicas.distributed.launch import LaunchedRanks, ProcessLauncher, WorkerLa
 from replicas.model_runner import ModelRunner
 from replicas.outputs import Logprob, RequestOutput
 from replicas.request import EngineStepError, Request, RequestError, check_logit_bias, check_params, check_prompt
-from replicas.sampler import Sampler, SamplingBatch
+from replicas.sampler import Sampler
+from replicas.sampling_batch import SamplingBatch, SequenceTokens
 from replicas.sampling_params import SamplingParams
 from replicas.scheduler import ScheduledBatch, Scheduler
 from replicas.sequence import Sequence
@@ -319,7 +320,7 @@ class LLMEngine:
         mask = self.guided.token_mask(guided_seqs, guided, launched.broken) if guided else None
         sb = SamplingBatch.build(
             [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-            _TokenView(seqs, prompt=False), _TokenView(seqs, prompt=True),
+            SequenceTokens(seqs, prompt=False), SequenceTokens(seqs, prompt=True),
             self.eos_token_ids, self.model_config.vocab_size, logits.device, token_mask=mask)
         launched.out = self.sampler(_take_rows(logits, launched.plain_rows) if launched.drafted else logits, sb)
         launched.guided, launched.guided_seqs = guided, guided_seqs
@@ -723,17 +724,3 @@ def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == logits.shape[0] and (not rows or rows[-1] == len(rows) - 1):
         return logits                               # rows are increasing and distinct: 0 .. S-1
     return logits.index_select(0, to_device(np.asarray(rows, dtype=np.int64), logits.device))
-
-
-class _TokenView:
-    """Per-row prompt or output token ids, sliced only for the rows the sampler asks about (penalties)."""
-
-    def __init__(self, seqs: list[Sequence], prompt: bool):
-        self.seqs, self.prompt = seqs, prompt
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def __getitem__(self, i: int) -> list[int]:
-        s = self.seqs[i]
-        return s.prompt_token_ids if self.prompt else s.output_token_ids

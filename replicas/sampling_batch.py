@@ -147,6 +147,21 @@ class SamplingBatch:
                           for name in ("temperature", "top_k", "top_p", "min_p", "seed_lo", "seed_hi", "positions")})
 
 
+class SequenceTokens:
+    """Row i = sequence i's prompt or output token ids, as `SamplingBatch.build` takes its histories: sliced only
+    for the rows it reads (penalties, a min_tokens check), not copied for every row of every step."""
+
+    def __init__(self, seqs: Sequence, prompt: bool):
+        self.seqs, self.prompt = seqs, prompt
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> list[int]:
+        s = self.seqs[i]
+        return s.prompt_token_ids if self.prompt else s.output_token_ids
+
+
 def _effective_top_k(top_k: int, vocab_size: int) -> int:
     return vocab_size if top_k <= 0 or top_k >= vocab_size else top_k
 

@@ -13,7 +13,7 @@ from typing import Sequence as Seq
 import torch
 
 from replicas.sampler import Sampler
-from replicas.sampling_batch import SamplingBatch
+from replicas.sampling_batch import SamplingBatch, SequenceTokens
 from replicas.sequence import Sequence
 from replicas.speculation_api import DraftProposal, VerifiedRound
 from speculative.acceptance import walk
@@ -46,19 +46,6 @@ class _PathHistory:
         return seq.output_token_ids + path[::-1]
 
 
-class _SeqHistory:
-    """Row b = sequence b's prompt or output, sliced only for the rows the sampler reads (a min_tokens check)."""
-
-    def __init__(self, seqs: Seq[Sequence], prompt: bool):
-        self.seqs, self.prompt = seqs, prompt
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def __getitem__(self, b: int) -> list[int]:
-        return self.seqs[b].prompt_token_ids if self.prompt else self.seqs[b].output_token_ids
-
-
 class TreeVerifier:
     """Samples every tree node with the engine's sampler and walks each tree from its root."""
 
@@ -80,7 +67,7 @@ class TreeVerifier:
                                      self.eos_token_ids, self.vocab_size, logits.device)
         else:                        # every node row samples with its sequence's params and seed
             sb = SamplingBatch.build([s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-                                     _SeqHistory(seqs, False), _SeqHistory(seqs, True), self.eos_token_ids,
+                                     SequenceTokens(seqs, False), SequenceTokens(seqs, True), self.eos_token_ids,
                                      self.vocab_size, logits.device).repeat_rows(width)
         if not sb.all_greedy:        # a random row samples the token at root + its slot's offset
             sb.positions = sb.positions + proposal.rows.offsets.reshape(-1).to(logits.device)[sb.random_rows]
