@@ -26,7 +26,6 @@ before a shape whose training would not fit.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -37,9 +36,9 @@ from typing import Optional
 
 import torch
 
-from bench.provenance import REPO, provenance
+from bench.provenance import REPO, provenance, repo_path
 from bench.speculative import (DEFAULT_PROMPTS, BenchConfig, chat_prompts, count_graph_replays, drive, engine_kwargs,
-                               sampling)
+                               free_memory, sampling)
 from bench.speculative_report import Run
 from replicas import LLM
 from speculative.profile import measure_verify_profile
@@ -64,7 +63,7 @@ def regenerate_pairs(args) -> Optional[dict]:
     os.makedirs(os.path.dirname(os.path.abspath(args.pairs)), exist_ok=True)
     stats = regenerate_to_file(args.pairs, passes_of(sharegpt_prompts("train", limit=args.regenerate), 1, 1.0),
                                args.model, args.max_response, seconds=args.regenerate_seconds)
-    _free()
+    free_memory()
     return stats
 
 
@@ -115,7 +114,7 @@ def measure_engine(cfg: BenchConfig, mode: str, prompts: list[list[int]], warm: 
         return out
     finally:
         llm.shutdown()
-        _free()
+        free_memory()
 
 
 def shape_result(trained: dict, measured: dict, plain: dict) -> dict:
@@ -145,7 +144,7 @@ def run_bench(args, argv: list[str]) -> dict:
     regenerated = regenerate_pairs(args)
     settings = dict(model=args.model, pairs=args.pairs, pairs_lines=count_lines(args.pairs), steps=args.steps,
                     batch_size=args.batch_size, anchors_per_seq=args.anchors_per_seq, lr=args.lr, seed=args.seed,
-                    train_args=args.train_args, prompts=_shown(args.prompts), num_prompts=args.num_prompts,
+                    train_args=args.train_args, prompts=repo_path(args.prompts), num_prompts=args.num_prompts,
                     max_tokens=args.max_tokens, budget=args.budget, min_cell_seconds=args.min_cell_seconds,
                     repeats=args.repeats)
     report: dict = dict(settings=settings, shapes={})
@@ -180,7 +179,7 @@ def run_bench(args, argv: list[str]) -> dict:
             break
         measured = measure_engine(replace(cfg, drafter=trained["folder"]), "dominotree", prompts, warm,
                                   profile_batches=(1, 8))
-        trained["folder"] = _shown(trained["folder"])
+        trained["folder"] = repo_path(trained["folder"])
         s = report["shapes"][name] = dict(layers=layers, intermediate_size=width,
                                           **shape_result(trained, measured, plain))
         print(f"{name} tau {s['tau']:.2f}  draft {s['draft_ms']['b1']:.2f} ms  speedup_b1 {s['speedup_b1']:.2f}"
@@ -214,19 +213,6 @@ def format_table(report: dict) -> str:
                     f"{draft.get('b8', 0):.2f} | {s['verify_ms_b1']:.2f} | {s['speedup_b1']:.2f} | "
                     f"{s['bound_speedup_b1']:.2f} | {s['train']['tokens_seen']} |")
     return "\n".join(rows)
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def _shown(path: str) -> str:
-    """A path as the JSON keeps it: relative to the repository when inside it."""
-    path = os.path.abspath(path)
-    return os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else path
 
 
 def _ints(text: str) -> list[int]:

@@ -30,3 +30,9 @@ def provenance(module: str, argv: list[str], device: str, seed: int, **extra) ->
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
             "tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")), "machine": machine(device),
             "command": " ".join([f"python -m {module}", *argv]), "seed": seed, **extra}
+
+
+def repo_path(path: str) -> str:
+    """A path as a result file keeps it: relative to the repository when inside it, else absolute."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else path

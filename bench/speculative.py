@@ -48,7 +48,7 @@ import torch
 
 from replicas import LLM, SamplingParams
 from bench.projection import projection
-from bench.provenance import REPO, provenance
+from bench.provenance import provenance, repo_path
 from bench.round_cost import MIN_ROUNDS, RoundLog, breakdown, round_cost
 from bench.shapes import SHAPES
 from bench.speculative_report import Run, build_report, format_table, round_overhead, temp_key
@@ -342,7 +342,7 @@ def drafter_training(folder: str) -> dict:
     if last is None:
         return {"source": None, "note": f"{folder} has no {LOG_NAME}"}
     path = os.path.join(folder, LOG_NAME)
-    return {"source": os.path.relpath(path, REPO) if os.path.abspath(path).startswith(REPO) else path,
+    return {"source": repo_path(path),
             "steps": last["step"], "mfu": last.get("mfu"), "tokens_per_s": last.get("seq_tokens_per_s"),
             "tokens_seen": last.get("tokens_seen"), "final_loss": last.get("final_loss"),
             "accept_len": last.get("accept_len"),
@@ -368,7 +368,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     results = {}
     for mode in ("plain",) + cfg.modes:
         results[mode] = measure(cfg, mode, sets, warm)
-        _free()
+        free_memory()
     plain = results["plain"]["runs"]
     cuda = results["plain"]["engine"]["device"].startswith("cuda")
     tie = cfg.tie if cfg.tie is not None else (1e-3 if results["plain"]["engine"]["dtype"] == "torch.float32"
@@ -388,7 +388,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     if drafter and os.path.isdir(drafter):
         report["train"] = drafter_training(drafter)
     if cfg.projection:
-        _free()
+        free_memory()
         measured = report["dominotree"].get("forced") or report["dominotree"]
         name = cfg.projection if cfg.projection in SHAPES else os.path.basename(cfg.projection.rstrip("/"))
         report["projection"] = {name: projection(
@@ -408,7 +408,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _free() -> None:
+def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -209,7 +209,8 @@ class LLMEngine:
                 if self._overlap_allowed(spec) else None
             if ahead is not None:
                 return self._step_ahead(ahead)
-            outputs = self._finish_pending()
+            pending, self._pending = self._pending, None
+            outputs = self._finish(pending)
         if self.elastic is not None:
             self._elastic_guarded(self.elastic.before_schedule)   # reclaim before a prefill that needs the reserve
         start, emitted = time.perf_counter(), self.stats.generation_tokens
@@ -229,10 +230,7 @@ class LLMEngine:
                 raise                   # the other ranks are inside this step's collectives
             self._fail_step(batch, e)
             return outputs
-        if self._may_overlap(launched):
-            self._pending = launched        # read back at the next step, after the one that follows is launched
-            return outputs
-        outputs += self._finish(launched)
+        outputs += self._keep_or_finish(launched)
         if spec is not None and not batch.has_prefill:
             drafted = sum(1 for i in range(len(batch.seqs)) if batch.num_drafts(i))
             if drafted in (0, len(batch.seqs)):
@@ -255,9 +253,6 @@ class LLMEngine:
         return (self.config.scheduling.async_scheduling and spec is None and self.runner.world_size == 1
                 and (self.elastic is None or self.elastic.mode != "elastic"))
 
-    def _may_overlap(self, launched: "_Launched") -> bool:
-        return bool(launched.sampling) and self._overlap_allowed(launched.spec)
-
     def _step_ahead(self, batch) -> list[RequestOutput]:
         pending, self._pending = self._pending, None
         self.stats.steps_ahead += 1
@@ -279,15 +274,15 @@ class LLMEngine:
         except torch.OutOfMemoryError as e:
             self._fail_step(batch, e)
             return outputs
-        if self._may_overlap(launched):
-            self._pending = launched
-        else:
-            outputs += self._finish(launched)
-        return outputs
+        return outputs + self._keep_or_finish(launched)
 
-    def _finish_pending(self) -> list[RequestOutput]:
-        pending, self._pending = self._pending, None
-        return self._finish(pending) if pending is not None else []
+    def _keep_or_finish(self, launched: "_Launched") -> list[RequestOutput]:
+        """A step that may overlap stays pending (read back at the next step, after the one that follows is
+        launched); any other is finished now."""
+        if launched.sampling_seqs and self._overlap_allowed(launched.spec):
+            self._pending = launched
+            return []
+        return self._finish(launched)
 
     def _launch(self, batch, spec, step: Optional[StepInput] = None) -> "_Launched":
         """Propose (speculative rows), build the step's input (unless given) and launch its forward."""
@@ -301,8 +296,7 @@ class LLMEngine:
         self._in_forward = True
         logits = self.runner.execute(step)
         self._in_forward = False
-        launched = _Launched(batch, spec, step, logits, sampling, [batch.seqs[i] for i in sampling], drafted,
-                             proposal)
+        launched = _Launched(batch, spec, step, logits, [batch.seqs[i] for i in sampling], drafted, proposal)
         if drafted:
             launched.plain_rows, launched.spec_rows = self._logit_rows(batch, sampling, drafted)
         return launched
@@ -311,10 +305,10 @@ class LLMEngine:
         """Fill the grammar masks (while the forward runs, on CUDA) and launch the sampler; on CUDA the sampled
         tokens start their copy to pinned host memory."""
         logits = launched.logits
-        if not launched.sampling:
+        if not launched.sampling_seqs:
             return
         seqs = launched.sampling_seqs
-        # rows of `sampling`; a sequence that ended with the step before (async) has a row whose token is dropped
+        # rows of `sampling_seqs`; a sequence that ended with the step before (async) has a row whose token is dropped
         guided = [row for row, seq in enumerate(seqs) if seq.grammar is not None and not seq.is_finished]
         guided_seqs = [seqs[r] for r in guided]
         mask = self.guided.token_mask(guided_seqs, guided, launched.broken) if guided else None
@@ -331,7 +325,7 @@ class LLMEngine:
         batch, spec, step, out = launched.batch, launched.spec, launched.step, launched.out
         num_failed = len(self.failed)
         tokens, refused, broken = [], [], launched.broken
-        if launched.sampling:
+        if launched.sampling_seqs:
             tokens = self._readback.finish(launched.readback)
             if launched.guided:
                 refused = self.guided.refused(launched.guided_seqs, [tokens[r] for r in launched.guided])
@@ -503,8 +497,7 @@ class LLMEngine:
             req.text_parts[idx].append(delta)
             if matched is not None:
                 reason, stop_reason = "stop", matched
-        if reason is None and ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
-                               or seq.num_tokens >= self.max_model_len):
+        if reason is None and seq.ends_by_length(self.max_model_len):
             reason = "length"
         if reason is not None:
             if p.detokenize and not isinstance(stop_reason, str):
@@ -673,14 +666,13 @@ class _Launched:
     spec: Optional[Proposer]
     step: StepInput
     logits: Optional[torch.Tensor]
-    sampling: list[int]                  # batch rows that sample one token
-    sampling_seqs: list[Sequence]        # their sequences, in that order
+    sampling_seqs: list[Sequence]        # the sequences that sample one token, in batch order
     drafted: list[int]                   # batch rows that verify a draft tree
     proposal: object = None
-    plain_rows: list[int] = field(default_factory=list)      # logit rows of `sampling` and of `drafted`
+    plain_rows: list[int] = field(default_factory=list)      # logit rows of `sampling_seqs` and of `drafted`
     spec_rows: list[int] = field(default_factory=list)
     broken: list = field(default_factory=list)               # (sequence, error): its grammar refused its tokens
-    guided: list[int] = field(default_factory=list)          # rows of `sampling` that follow a grammar
+    guided: list[int] = field(default_factory=list)          # rows of `sampling_seqs` that follow a grammar
     guided_seqs: list[Sequence] = field(default_factory=list)
     out: object = None                   # the SamplerOutput
     readback: object = None              # TokenReadback.start's handle
@@ -708,7 +700,7 @@ class TokenReadback:
     def finish(self, handle) -> list[int]:
         if not self.cuda:
             return handle.tolist()
-        self.event.synchronize()
+        self.wait()
         return self.buffer[:handle].tolist()
 
     def wait(self) -> None:

@@ -125,18 +125,12 @@ class SamplingBatch:
             token_mask=token_mask,
         )
 
-    @property
-    def per_row_state(self) -> bool:
-        """Whether a row holds state of its own beyond its params and seed: token histories (penalties, a stop
-        mask), biases or a grammar mask."""
-        return not (self.penalties is None and self.stop_mask is None and self.logit_bias is None
-                    and self.token_mask is None)
-
     def repeat_rows(self, width: int) -> "SamplingBatch":
         """Row r becomes rows r * width .. r * width + width - 1, each with r's params, seed and position (a
-        draft tree's verify rows: the caller offsets the positions). On the device, no host copy; only for a
-        batch without `per_row_state`."""
-        if self.per_row_state:
+        draft tree's verify rows: the caller offsets the positions). On the device, no host copy; only for rows
+        with no state of their own beyond params and seed (token histories, biases, a grammar mask)."""
+        if not (self.penalties is None and self.stop_mask is None and self.logit_bias is None
+                and self.token_mask is None):
             raise ValueError("rows with histories, biases or a grammar mask cannot be repeated")
         if self.all_greedy:
             return replace(self, num_rows=self.num_rows * width, all_random=self.num_rows == 0)

@@ -164,7 +164,8 @@ class Scheduler:
         `schedule`. `sampling`: id() of each sequence that step samples. None where only a step that knows its
         tokens may follow: a running sequence did not sample (it is prefilling), the budget cannot take every
         decode, or blocks are short (preemption). A sequence whose sampled token will end it by length sits this
-        step out, so no row is spent on a token that cannot follow."""
+        step out, so no row is spent on a token that cannot follow, and a waiting sequence may take its place here
+        (its blocks come back only when it finishes: admission counts on the free ones)."""
         if self.spec_budget or len(self.running) > self.max_num_batched_tokens:
             return None
         bm = self.block_manager
@@ -172,9 +173,7 @@ class Scheduler:
         for seq in self.running:
             if id(seq) not in sampling:
                 return None
-            p = seq.params
-            if ((p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens)
-                    or seq.num_tokens + 1 >= self.max_model_len):
+            if seq.ends_by_length(self.max_model_len, more=1):
                 leaving += 1
                 continue
             seqs.append(seq)

@@ -76,6 +76,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    def ends_by_length(self, max_model_len: int, more: int = 0) -> bool:
+        """Whether the sequence is at its max_tokens or the context length once `more` tokens are added (the
+        engine ends it by length there; async scheduling asks one token ahead)."""
+        p = self.params
+        return ((p.max_tokens is not None and self.num_output_tokens + more >= p.max_tokens)
+                or self.num_tokens + more >= max_model_len)
+
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.index}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.name})")
