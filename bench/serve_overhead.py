@@ -253,8 +253,8 @@ def serve_flags(model: Optional[str], args: argparse.Namespace) -> list[str]:
         flags += ["--load-format", args.load_format]
     if args.device == "cuda":
         flags += ["--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION["serve"])]
-    if args.async_scheduling:
-        flags += ["--async-scheduling"]
+    if args.async_scheduling is not None:
+        flags += ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
     return flags
 
 
@@ -264,8 +264,8 @@ def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfi
     extra = {"load_format": args.load_format} if args.load_format != "auto" else {}
     if args.device == "cuda":
         extra["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION["direct"]
-    if args.async_scheduling:
-        extra["async_scheduling"] = True
+    if args.async_scheduling is not None:
+        extra["async_scheduling"] = args.async_scheduling
     return engine_config(AppArgs(model=model, device=args.device, tensor_parallel_size=1, num_replicas=1,
                                  engine_kwargs={"elastic": "off", **extra}))
 
@@ -394,8 +394,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--streaming", action="store_true",
                     help="the direct engine and the front door only; writes the `streaming` section of --out")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="both engines schedule each decode step before the last one's tokens are read back")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="both engines schedule each decode step before the last one's tokens are read back "
+                         "(default: the engine's, on CUDA)")
     ap.add_argument("--out", default="bench/results/serve_overhead.json")
     args = ap.parse_args(argv)
     if args.concurrency is None:

@@ -123,8 +123,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--records", type=int, default=8, help="records in the schema's array (sets the output length)")
     p.add_argument("--warmup", type=int, default=None, help="requests before each cell (default: --concurrency)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="the engine schedules each decode step before the last one's tokens are read back")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine schedules each decode step before the last one's tokens are read back "
+                        "(default: the engine's, on CUDA)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "structured.json")
     args = p.parse_args(argv)
     if args.repeats < 2:

@@ -141,7 +141,7 @@ class Setting:
         """This setting as an argparse flag whose value is None when it is not given (the engine's default)."""
         kw: dict[str, Any] = dict(dest=self.flat, default=None, help=self.cli_help())
         if self.type is bool:
-            kw["action"] = argparse.BooleanOptionalAction if self.default else "store_true"
+            kw["action"] = "store_true" if self.default is False else argparse.BooleanOptionalAction
         else:
             kw["type"] = self.type
             if self.choices is not None:
@@ -178,9 +178,10 @@ class SchedulingConfig(_Checked):
     max_num_seqs: int = setting(256, "sequences one engine step runs at most", minimum=1)
     max_model_len: Optional[int] = setting(None, "longest sequence, prompt and output (default: the model's "
                                                  "max_position_embeddings)", minimum=1)
-    async_scheduling: bool = setting(False, "schedule and launch a decode step before the last step's tokens are "
-                                            "read back, so the host's work between steps overlaps the device's "
-                                            "(one rank, no speculation, elastic lending off; docs/engine.md)")
+    async_scheduling: Optional[bool] = setting(None, "schedule and launch a decode step before the last step's "
+                                                     "tokens are read back, so the host's work between steps "
+                                                     "overlaps the device's (one rank, no speculation, elastic "
+                                                     "lending off; docs/engine.md) (default: on CUDA, off on CPU)")
 
 
 @dataclass(frozen=True)

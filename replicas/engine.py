@@ -111,6 +111,8 @@ class LLMEngine:
                                          config.scheduling.max_num_seqs, self.runner.device)
         self._compiling: dict[str, Future] = {}     # request id -> its grammar's compile; it waits outside the queue
         self._pending: Optional[_Launched] = None     # async scheduling: a sampled step not yet read back
+        chosen = config.scheduling.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if chosen is None else chosen
         self._readback = TokenReadback(self.runner.device, config.scheduling.max_num_seqs)
 
     def _fit_max_model_len(self) -> int:
@@ -250,7 +252,7 @@ class LLMEngine:
     # has a row in the step launched ahead: that row's token is dropped, and its KV write lands in a block no step
     # reads (freed blocks are handed out again only to steps that run after it on the stream).
     def _overlap_allowed(self, spec) -> bool:
-        return (self.config.scheduling.async_scheduling and spec is None and self.runner.world_size == 1
+        return (self.async_scheduling and spec is None and self.runner.world_size == 1
                 and (self.elastic is None or self.elastic.mode != "elastic"))
 
     def _step_ahead(self, batch) -> list[RequestOutput]:

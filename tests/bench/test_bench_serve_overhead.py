@@ -12,7 +12,7 @@ from cluster.serve_cmd import add_serve_parser, serve_app_args
 def test_direct_engine_config_is_what_tidal_serve_builds():
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
-    for model, async_scheduling in ((None, False), ("/models/some.gguf", False), (None, True)):
+    for model, async_scheduling in ((None, None), ("/models/some.gguf", False), (None, True), (None, False)):
         args = argparse.Namespace(device="cpu", load_format="auto", ingress="auto", async_scheduling=async_scheduling)
         ns = parser.parse_args(["serve", *serve_flags(model, args)])
         served = engine_config(serve_app_args(ns))
