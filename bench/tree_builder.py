@@ -194,7 +194,7 @@ def graph_round_ms(batches=(1, 8, 32), budget: int = 16, rounds: int = 200) -> d
 # ---- offline compile report (no GPU needed) ------------------------------------------------------------------
 
 def _kernel_specs():
-    from speculative.kernels import tree_fused, tree_ops, tree_round, tree_rows
+    from speculative.kernels import tree_fused, tree_ops, tree_round, tree_rows, tree_walk
 
     def p(t):
         return "*" + t
@@ -234,6 +234,8 @@ def _kernel_specs():
         "hidden_gates": (tree_rows.hidden_gates_kernel, dict(states=p(f32), w_hh_t=p(bf), out=p(f32), G=i32),
                          dict(GP=256, **dot), 4),
         "child_state": (tree_rows.child_state_kernel, child_state, dict(GP=256), 4),
+        "walk": (tree_walk.walk_kernel, dict(tokens=p(i64), parents=p(i64), valid=p("i1"), choices=p(i64),
+                                             out=p(i64), N=i32, W=i32), dict(NP=64, WP=128), 1),
     }
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from speculative.draft_tree import DraftTree
+from speculative.tree import on_triton
 
 SampleFn = Callable[[Tensor], Tensor]   # logits [rows, V] -> token ids [rows]
 
@@ -71,3 +72,14 @@ def walk(tree: DraftTree, choices: Tensor) -> Acceptance:
     tokens = torch.cat([tokens, torch.full_like(tokens[:, :1], -1)], 1).scatter(1, num_accepted[:, None], bonus)
     slots = torch.cat([torch.zeros_like(path[:, :1]), torch.where(path >= 0, path + 1, -1)], 1)
     return Acceptance(path, num_accepted, tokens, num_accepted + 1, slots, (path >= 0).sum(0))
+
+
+def walk_packed(tree: DraftTree, choices: Tensor) -> Tensor:
+    """[B, 2 + 2W] int64, W = 1 + N: per request the number of emitted tokens, the tree's node count, the emitted
+    tokens and the path slots (walk()'s `tokens` and `path_slots`), the one tensor a round copies to the host.
+    One launch where the tree runs on Triton (speculative.kernels.tree_walk), walk()'s ops elsewhere."""
+    if on_triton(choices):
+        from speculative.kernels.tree_walk import walk_fused
+        return walk_fused(tree, choices)
+    acc = walk(tree, choices)
+    return torch.cat([acc.num_emitted[:, None], tree.num_nodes[:, None], acc.tokens, acc.path_slots], 1)

@@ -16,7 +16,7 @@ from replicas.sampler import Sampler
 from replicas.sampling_batch import SamplingBatch, SequenceTokens
 from replicas.sequence import Sequence
 from replicas.speculation_api import DraftProposal, VerifiedRound
-from speculative.acceptance import walk
+from speculative.acceptance import walk_packed
 from speculative.draft_tree import DraftTree
 
 
@@ -72,8 +72,6 @@ class TreeVerifier:
         if not sb.all_greedy:        # a random row samples the token at root + its slot's offset
             sb.positions = sb.positions + proposal.rows.offsets.reshape(-1).to(logits.device)[sb.random_rows]
         out = self.sampler(logits, sb)
-        acc = walk(tree, out.token_ids.view(len(seqs), width).to(tree.tokens.device))
-        host = torch.cat([acc.num_emitted[:, None], tree.num_nodes[:, None], acc.tokens, acc.path_slots],
-                         1).cpu().numpy()
+        host = walk_packed(tree, out.token_ids.view(len(seqs), width).to(tree.tokens.device)).cpu().numpy()
         return VerifiedRound(num_emitted=host[:, 0], tokens=host[:, 2:2 + width], path_slots=host[:, 2 + width:],
                              sampled=out, width=width, num_draft_tokens=int(host[:, 1].sum()))

@@ -5,6 +5,8 @@ speculative.tree's `triton_on_cpu` asks for them).
     tree_round   a round's preparation: candidates, base log-probs, z projections, root GRU states
     tree_rows    one node per program: what the reference heap and the torch frontier launch
     tree_fused   the fused frontier build: one launch per depth plus one for the ledger
+    tree_walk    the verified round's tree walk: one launch, one program per request
 
-Imports run one way: tree_ops <- tree_round, tree_rows, tree_fused; all of them read speculative.draft_tree.
+Imports run one way: tree_ops <- tree_round, tree_rows, tree_fused; all of them (and tree_walk) read
+speculative.draft_tree.
 """

@@ -18,6 +18,8 @@ from speculative.draft_tree import DraftTree, TreeConfig, TreeRound  # noqa: E40
 from speculative.tree import prepare_round, top_candidates, triton_on_cpu  # noqa: E402
 from speculative.tree_gpu import build_frontier, build_frontier_torch  # noqa: E402
 from speculative.tree_reference import build_reference  # noqa: E402
+from speculative.acceptance import walk, walk_packed  # noqa: E402
+from tests.speculative.test_spec_acceptance import V, random_trees  # noqa: E402
 from tests.support import REPO  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -109,6 +111,34 @@ def test_triton_round_candidates_and_batch_invariance():
             assert torch.equal(a, b) and torch.equal(a, c), field
 
 
+@interpreted
+@pytest.mark.parametrize("budget", [1, 2, 5, 16, 17])
+def test_fused_walk_equals_the_torch_walk(budget):
+    """The walk's one launch (speculative.kernels.tree_walk) writes what walk()'s ops write, on trees with invalid
+    trailing slots and choices that mostly follow a drafted child (deep paths), a miss at the root included."""
+    rng = random.Random(budget)
+    for _ in range(6):
+        trees = random_trees(rng, 5, budget)
+        tree = DraftTree(*(torch.cat([getattr(t, f) for t in trees]).to(DEV) for f in
+                           ("tokens", "parents", "depths", "scores", "valid")))
+        for b in range(5):                      # a tree smaller than the budget: its last slots are invalid
+            n = rng.randint(0, budget)
+            tree.valid[b, n:] = False
+            tree.tokens[b, n:] = 0
+            tree.parents[b, n:] = -1
+        choices = torch.randint(0, V, (5, budget + 1), device=DEV)
+        for b in range(5):
+            for slot in range(budget + 1):
+                kids = [i for i in range(budget) if tree.valid[b, i] and tree.parents[b, i] + 1 == slot]
+                if kids and rng.random() < 0.8:
+                    choices[b, slot] = tree.tokens[b, rng.choice(kids)]
+        acc = walk(tree, choices)
+        expected = torch.cat([acc.num_emitted[:, None], tree.num_nodes[:, None], acc.tokens, acc.path_slots], 1)
+        with triton_on_cpu():
+            got = walk_packed(tree, choices)
+        assert torch.equal(got, expected)
+
+
 def test_kernels_compile_for_sm90_without_contraction_or_spills(tmp_path):
     """Offline (no GPU; a fresh process, since this one may interpret the kernels): every kernel at SmolLM2's
     sizes compiles for sm_90 with no `contract` flag in its LLVM IR (no a*b+c becomes an FMA: part of the
@@ -119,5 +149,5 @@ def test_kernels_compile_for_sm90_without_contraction_or_spills(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())["compile"]
-    assert set(report) >= {"expand", "ledger", "vocab_chunk", "merge_keys", "round_rows"}
+    assert set(report) >= {"expand", "ledger", "vocab_chunk", "merge_keys", "round_rows", "walk"}
     assert all(r["contract_flags"] == 0 and r["spilled_bytes"] == 0 for r in report.values()), report
