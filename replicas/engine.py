@@ -348,7 +348,7 @@ class LLMEngine:
             seqs = [batch.seqs[i] for i in launched.drafted]
             first_rows = [int(step.query_start_loc[i]) for i in launched.drafted]
             verified = self.verifier.verify(seqs, launched.proposal, _take_rows(launched.logits, launched.spec_rows))
-            self._apply_verified(seqs, verified, aux, first_rows, now)
+            self._apply_verified(seqs, verified, aux, first_rows, step.block_tables[launched.drafted], now)
             touched.update((s.request_id, self.requests[s.request_id]) for s in seqs if s.request_id in self.requests)
         for row, seq in enumerate(launched.sampling_seqs):
             req = self.requests.get(seq.request_id)
@@ -507,11 +507,12 @@ class LLMEngine:
             self.scheduler.finish(seq, reason, stop_reason)
 
     def _apply_verified(self, seqs: list[Sequence], v: VerifiedRound, aux: list, first_rows: list[int],
-                        now: float) -> None:
+                        tables: np.ndarray, now: float) -> None:
         """Emit each sequence's accepted tokens and bonus token, move the accepted nodes' K/V from their scratch
         slots (root + 1 + node index) to the contiguous slots root + 1 .. root + k, so the sequence has
         root + 1 + k computed tokens (the bonus token is the next round's root), and hand the root's and the
-        accepted nodes' hidden states to the proposer."""
+        accepted nodes' hidden states to the proposer. `tables`: the sequences' block tables as the verify step
+        ran them (rows of StepInput.block_tables)."""
         stats = self.stats
         stats.spec_drafts += len(seqs)
         stats.spec_draft_tokens += v.num_draft_tokens
@@ -522,44 +523,46 @@ class LLMEngine:
         for d, c in enumerate(per_depth):
             by_pos[d] += c
 
-        bs = self.config.cache.block_size
-        src, dst = [], []
+        roots = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
+        kept = np.zeros(len(seqs), dtype=bool)
         num_failed = len(self.failed)
-        kept: list[tuple[Sequence, int, int, np.ndarray]] = []
         for b, seq in enumerate(seqs):
             if seq.request_id not in self.requests:
                 continue                # failed earlier in this step, through another of its sequences
-            root, count, slots = seq.num_computed_tokens, int(v.num_emitted[b]), v.path_slots[b]
+            slots = v.path_slots[b]
             try:
-                for j, token in enumerate(v.tokens[b, :count].tolist()):
+                for j, token in enumerate(v.tokens[b, :int(v.num_emitted[b])].tolist()):
                     self._append_token(seq, token, v.sampled, b * v.width + int(slots[j]), now)
                     if seq.is_finished:
                         break
             except Exception as e:  # noqa: BLE001 - this request's own failure (detokenizer, stop check)
                 self._fail_own(seq.request_id, e)
                 continue
-            if seq.is_finished:
-                continue
-            k = count - 1
-            moved = np.flatnonzero(slots[1:k + 1] != np.arange(1, k + 1)) + 1     # accepted nodes off their slot
-            if len(moved):
-                table = np.asarray(seq.block_table, dtype=np.int64)
-                s, d = root + slots[moved], root + moved
-                src.append(table[s // bs] * bs + s % bs)
-                dst.append(table[d // bs] * bs + d % bs)
-            kept.append((seq, root, k, first_rows[b] + slots[:k + 1]))
-        if src:
-            self.runner.call_all("compact_kv", np.concatenate(src), np.concatenate(dst))
+            kept[b] = not seq.is_finished
+        # accepted node c (path column c, 0-based) holds position root + 1 + c once moved from root + its slot
+        accepted = v.num_emitted - 1
+        column = np.arange(v.width - 1)
+        path = v.path_slots[:, 1:]
+        moved_b, moved_c = np.nonzero(kept[:, None] & (column < accepted[:, None]) & (path != column + 1))
+        if len(moved_b):
+            bs = self.config.cache.block_size
+            src, dst = roots[moved_b] + path[moved_b, moved_c], roots[moved_b] + moved_c + 1
+            self.runner.call_all("compact_kv", tables[moved_b, src // bs].astype(np.int64) * bs + src % bs,
+                                 tables[moved_b, dst // bs].astype(np.int64) * bs + dst % bs)
         if len(self.failed) > num_failed:   # a request that failed after another of its sequences was kept
-            kept = [entry for entry in kept if entry[0].request_id in self.requests]
-        for seq, root, k, _ in kept:
-            seq.num_computed_tokens = root + 1 + k
+            kept &= np.fromiter((seq.request_id in self.requests for seq in seqs), dtype=bool, count=len(seqs))
+        keep = np.flatnonzero(kept)
+        for b in keep.tolist():
+            seq, root = seqs[b], int(roots[b])
+            seq.num_computed_tokens = root + 1 + int(accepted[b])
             self.block_manager.commit_full_blocks(seq, root)
-            self.block_manager.truncate(seq, -(-seq.num_tokens // bs))
-        if kept:
-            self.speculator.observe(aux, np.concatenate([rows for *_, rows in kept]),
-                                    np.concatenate([np.full(len(rows), seq.seq_id) for seq, _, _, rows in kept]),
-                                    np.concatenate([root + np.arange(len(rows)) for _, root, _, rows in kept]))
+            self.block_manager.truncate(seq, -(-seq.num_tokens // self.config.cache.block_size))
+        if len(keep):
+            on_path = np.arange(v.width) <= accepted[keep, None]     # the root, then the accepted nodes
+            rows = np.asarray(first_rows, dtype=np.int64)[keep, None] + v.path_slots[keep]
+            self.speculator.observe(aux, rows[on_path],
+                                    np.repeat([seqs[b].seq_id for b in keep.tolist()], accepted[keep] + 1),
+                                    (roots[keep, None] + np.arange(v.width))[on_path])
 
     def _logprob_entry(self, token: int, out, row: int, k: int) -> dict[int, Logprob]:
         """The sampled token's logprob and the top-k alternatives, decoded once."""
