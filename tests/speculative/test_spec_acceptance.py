@@ -10,6 +10,7 @@ from speculative.acceptance import accept, target_choices, walk
 from speculative.cost_model import (AcceptanceProfile, BudgetPolicy, FixedBudgetPolicy, KneeBudgetPolicy,
                                     VerifyProfile, choose_budget)
 from speculative.draft_tree import DraftTree
+from tests.support.trees import V, batched, following_choices, random_trees
 
 
 def hand_tree() -> DraftTree:
@@ -59,16 +60,8 @@ def walk_by_depth(tree: DraftTree, choices: torch.Tensor) -> list[list[int]]:
 def test_batched_walk_equals_the_walk_by_depth(budget):
     rng = random.Random(budget)
     for _ in range(40):
-        trees = random_trees(rng, 6, budget)
-        tree = DraftTree(*(torch.cat([getattr(t, f) for t in trees]) for f in
-                           ("tokens", "parents", "depths", "scores", "valid")))
-        # choices mostly follow a drafted child, so paths reach deep
-        choices = torch.randint(0, V, (6, budget + 1))
-        for b in range(6):
-            for slot in range(budget + 1):
-                kids = [i for i in range(budget) if tree.valid[b, i] and tree.parents[b, i] + 1 == slot]
-                if kids and rng.random() < 0.8:
-                    choices[b, slot] = tree.tokens[b, rng.choice(kids)]
+        tree = batched(random_trees(rng, 6, budget))
+        choices = following_choices(rng, tree)
         out = walk(tree, choices)
         for b, path in enumerate(walk_by_depth(tree, choices)):
             k = len(path)
@@ -90,7 +83,7 @@ def test_sample_fn_sees_request_major_rows():
     assert torch.equal(seen[0][1 * 4 + 2], logits[1, 2])
 
 
-V, TRIALS, TOKENS = 4, 24000, 3
+TRIALS, TOKENS = 24000, 3
 
 
 def markov_table() -> torch.Tensor:
@@ -98,26 +91,6 @@ def markov_table() -> torch.Tensor:
                                    [0.40, 0.30, 0.20, 0.10],
                                    [0.25, 0.25, 0.15, 0.35],
                                    [0.15, 0.45, 0.30, 0.10]]))
-
-
-def random_trees(rng: random.Random, count: int, budget: int) -> list[DraftTree]:
-    """Trees drawn from a draft distribution unrelated to the target (token 3 favoured, shapes random)."""
-    trees = []
-    for _ in range(count):
-        tokens, parents, depths = [], [], []
-        for i in range(budget):
-            p = rng.choice([q for q in [-1] + list(range(i)) if sum(parents[j] == q for j in range(i)) < V])
-            taken = {tokens[j] for j in range(i) if parents[j] == p}
-            free = [t for t in range(V) if t not in taken]
-            tokens.append(rng.choices(free, weights=[4 if t == 3 else 1 for t in free])[0])
-            parents.append(p)
-            depths.append(0 if p < 0 else depths[p] + 1)
-        n = len(tokens)
-        pad = budget - n
-        trees.append(DraftTree(torch.tensor([tokens + [0] * pad]), torch.tensor([parents + [-1] * pad]),
-                               torch.tensor([depths + [0] * pad]), torch.zeros(1, budget),
-                               torch.tensor([[True] * n + [False] * pad])))
-    return trees
 
 
 def generate(rule, seed: int) -> torch.Tensor:

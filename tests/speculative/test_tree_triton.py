@@ -19,7 +19,7 @@ from speculative.tree import prepare_round, top_candidates, triton_on_cpu  # noq
 from speculative.tree_gpu import build_frontier, build_frontier_torch  # noqa: E402
 from speculative.tree_reference import build_reference  # noqa: E402
 from speculative.acceptance import walk, walk_packed  # noqa: E402
-from tests.speculative.test_spec_acceptance import V, random_trees  # noqa: E402
+from tests.support.trees import batched, following_choices, random_trees  # noqa: E402
 from tests.support import REPO  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -118,20 +118,13 @@ def test_fused_walk_equals_the_torch_walk(budget):
     trailing slots and choices that mostly follow a drafted child (deep paths), a miss at the root included."""
     rng = random.Random(budget)
     for _ in range(6):
-        trees = random_trees(rng, 5, budget)
-        tree = DraftTree(*(torch.cat([getattr(t, f) for t in trees]).to(DEV) for f in
-                           ("tokens", "parents", "depths", "scores", "valid")))
+        tree = batched(random_trees(rng, 5, budget), DEV)
         for b in range(5):                      # a tree smaller than the budget: its last slots are invalid
             n = rng.randint(0, budget)
             tree.valid[b, n:] = False
             tree.tokens[b, n:] = 0
             tree.parents[b, n:] = -1
-        choices = torch.randint(0, V, (5, budget + 1), device=DEV)
-        for b in range(5):
-            for slot in range(budget + 1):
-                kids = [i for i in range(budget) if tree.valid[b, i] and tree.parents[b, i] + 1 == slot]
-                if kids and rng.random() < 0.8:
-                    choices[b, slot] = tree.tokens[b, rng.choice(kids)]
+        choices = following_choices(rng, tree)
         acc = walk(tree, choices)
         expected = torch.cat([acc.num_emitted[:, None], tree.num_nodes[:, None], acc.tokens, acc.path_slots], 1)
         with triton_on_cpu():
