@@ -23,26 +23,29 @@ def walk_kernel(tokens, parents, valid, choices, out, N, W, NP: tl.constexpr, WP
     tok = tl.load(tokens + b * N + i, inside, other=-1)
     par = tl.load(parents + b * N + i, inside, other=-2)
     ok = (tl.load(valid + b * N + i, inside, other=0) != 0) & inside
-    row = out + b * (2 + 2 * W)
+    # the row is built in registers and stored once: no two stores of a program write the same address
     j = tl.arange(0, WP)
-    tl.store(row + 2 + j, tl.full([WP], -1, tl.int64), j < W)
-    tl.store(row + 2 + W + j, tl.where(j == 0, 0, -1).to(tl.int64), j < W)
+    emitted = tl.full([WP], -1, tl.int64)
+    path = tl.where(j == 0, 0, -1).to(tl.int64)
     cur = b * 0 - 1                 # the current node (-1: the root) and its verify slot
     slot = b * 0
     n = b * 0                       # accepted nodes so far
     going = b >= 0
     for _ in range(N):
-        choice = tl.load(choices + b * W + slot)
+        choice = tl.load(choices + b * W + slot).to(tl.int64)
         hit = ok & (par == cur) & (tok == choice) & going
         node = tl.min(tl.where(hit, i, NP), 0)
         found = node < NP
-        tl.store(row + 2 + n, choice.to(tl.int64), mask=found)
-        tl.store(row + 3 + W + n, (node + 1).to(tl.int64), mask=found)
+        emitted = tl.where((j == n) & found, choice, emitted)
+        path = tl.where((j == n + 1) & found, (node + 1).to(tl.int64), path)
         n += found.to(n.dtype)
         cur = tl.where(found, node, cur)
         slot = tl.where(found, node + 1, slot)
         going = going & found
-    tl.store(row + 2 + n, tl.load(choices + b * W + slot).to(tl.int64))
+    emitted = tl.where(j == n, tl.load(choices + b * W + slot).to(tl.int64), emitted)
+    row = out + b * (2 + 2 * W)
+    tl.store(row + 2 + j, emitted, j < W)
+    tl.store(row + 2 + W + j, path, j < W)
     tl.store(row, (n + 1).to(tl.int64))
     tl.store(row + 1, tl.sum(ok.to(tl.int64), 0))
 

@@ -112,7 +112,7 @@ def test_triton_round_candidates_and_batch_invariance():
 
 
 @interpreted
-@pytest.mark.parametrize("budget", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("budget", [1, 2, 5, 16, 17, 40])
 def test_fused_walk_equals_the_torch_walk(budget):
     """The walk's one launch (speculative.kernels.tree_walk) writes what walk()'s ops write, on trees with invalid
     trailing slots and choices that mostly follow a drafted child (deep paths), a miss at the root included."""
