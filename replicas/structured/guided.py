@@ -104,10 +104,9 @@ class GuidedDecoding:
     def refused(self, seqs: Seq["Sequence"], tokens: Seq[int]) -> list[tuple["Sequence", int]]:
         """(sequence, token) for each sampled token its row of the last fill does not allow; `seqs` in that fill's
         order. The matchers are untouched: the next fill accepts the tokens."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        words = self._buffer()[:len(ids)].numpy()[np.arange(len(ids)), ids >> 5]
-        allowed = (words.astype(np.int64) >> (ids & 31)) & 1
-        return [(seqs[i], int(ids[i])) for i in np.flatnonzero(allowed == 0)]
+        n = len(tokens)
+        words = self._buffer()[:n].numpy()[np.arange(n), np.asarray(tokens, dtype=np.int64) >> 5].tolist()
+        return [(seq, token) for seq, token, word in zip(seqs, tokens, words) if not (word >> (token & 31)) & 1]
 
     def catch_up(self, seqs: Seq["Sequence"], broken: list) -> None:
         """Bring every matcher in line with its sequence's output tokens: the ones one token behind in one backend
