@@ -9,9 +9,10 @@ Workload: --concurrency requests in flight in a closed loop (a finished request 
 offline engine (`LLMEngine`, default settings: CUDA graphs and prefix caching on), greedy, token ids only. Every
 constrained request carries the same JSON schema (an object holding an array of exactly --records small records:
 an integer with bounds, an enum, a boolean), so its output has nearly the same length every time and the grammar
-ends it; the unconstrained run gets the same prompts with max_tokens set to the constrained outputs' mean length
-and ignore_eos, so both runs generate the same number of tokens per request. The grammar is compiled once (the
-warm-up) and cached.
+ends it. A first warm-up runs every prompt once constrained; the unconstrained run gets the same prompts, each
+with max_tokens set to its own constrained output's length and ignore_eos, so both runs generate the same tokens
+per request and their requests end at the same steps (the scheduler admits the same prompts at the same points;
+only the grammar differs). The grammar is compiled once (that warm-up) and cached.
 
 Cells: plain, then constrained, repeated --repeats times (interleaved, so drift in clocks or load hits both);
 each cell runs for --seconds of wall time after its own warm-up of --warmup requests, then the requests still in
@@ -30,7 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 
 from bench.provenance import provenance
@@ -57,24 +58,26 @@ class Loop:
     def __init__(self, llm: LLM, prompts: list[list[int]], concurrency: int):
         self.engine, self.prompts, self.concurrency = llm.engine, prompts, concurrency
         self.serial = 0
-        self.in_flight: set[str] = set()
+        self.in_flight: dict[str, int] = {}          # request id -> its prompt's index
 
-    def add(self, params: SamplingParams) -> None:
-        rid = f"bench-{self.serial}"
-        self.engine.add_request(rid, self.prompts[self.serial % len(self.prompts)], params, stream=False)
-        self.in_flight.add(rid)
+    def add(self, params: Union[SamplingParams, list[SamplingParams]]) -> None:
+        rid, prompt = f"bench-{self.serial}", self.serial % len(self.prompts)
+        self.engine.add_request(rid, self.prompts[prompt], params if isinstance(params, SamplingParams)
+                                else params[prompt], stream=False)
+        self.in_flight[rid] = prompt
         self.serial += 1
 
-    def run(self, params: SamplingParams, seconds: Optional[float] = None, requests: Optional[int] = None) -> dict:
-        """For `seconds` of wall time (then abort what is in flight), or until `requests` finished."""
+    def run(self, params: Union[SamplingParams, list[SamplingParams]], seconds: Optional[float] = None,
+            requests: Optional[int] = None) -> dict:
+        """For `seconds` of wall time (then abort what is in flight), or until `requests` finished. `params`: one
+        for every request, or one per prompt. `outputs`: (prompt index, token ids) of each finished request."""
         for _ in range(self.concurrency):
             self.add(params)
         before, start, finished, steps = self.engine.get_stats(), time.perf_counter(), [], 0
         while self.in_flight:
             for out in self.engine.step():
                 if out.finished:
-                    self.in_flight.discard(out.request_id)
-                    finished.append(out.outputs[0].token_ids)
+                    finished.append((self.in_flight.pop(out.request_id), out.outputs[0].token_ids))
                     if requests is None or len(finished) + len(self.in_flight) < requests:
                         self.add(params)
             steps += 1
@@ -95,15 +98,15 @@ class Loop:
         return {"seconds": round(wall, 3), "steps": steps, "steps_ahead": after.steps_ahead - before.steps_ahead,
                 "output_tokens": tokens,
                 "tokens_per_s": round(tokens / wall, 1), "requests_finished": len(finished),
-                "mean_output_tokens": round(statistics.fmean(map(len, finished)), 1) if finished else None,
+                "mean_output_tokens": round(statistics.fmean(len(t) for _, t in finished), 1) if finished else None,
                 "mask_ms_per_step": round(statistics.fmean(masks) * 1e3, 4) if masks else None,
                 "outputs": finished}
 
 
-def valid_outputs(llm: LLM, outputs: list[list[int]], schema: dict) -> int:
+def valid_outputs(llm: LLM, outputs: list[tuple[int, list[int]]], schema: dict) -> int:
     import jsonschema
     ok = 0
-    for ids in outputs:
+    for _, ids in outputs:
         try:
             jsonschema.validate(json.loads(llm.tokenizer.decode(ids)), schema)
             ok += 1
@@ -149,14 +152,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                  detokenize=False)
     checked = {"finished": 0, "valid": 0}
 
-    def check(outputs: list[list[int]]) -> None:
+    def check(outputs: list[tuple[int, list[int]]]) -> None:
         checked["finished"] += len(outputs)
         checked["valid"] += valid_outputs(llm, outputs, schema)
 
-    warm = loop.run(constrained, requests=max(args.warmup, 1))
+    warm = loop.run(constrained, requests=len(prompts))        # every prompt once: its constrained length
+    lengths = dict((prompt, len(ids)) for prompt, ids in warm["outputs"])
     check(warm.pop("outputs"))
-    length = max(1, round(warm["mean_output_tokens"]))
-    plain = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True, detokenize=False)
+    lengths = [max(1, lengths[i]) for i in range(len(prompts))]
+    plain = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
     params = {"plain": plain, "json_schema": constrained}
 
     cells = []
@@ -181,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     result = {
         "model": args.model or "SmolLM2-135M-Instruct (embedded GGUF)", "device": device,
         "concurrency": args.concurrency, "seconds_per_cell": args.seconds, "repeats": args.repeats,
-        "schema": schema, "plain_max_tokens": length,
+        "schema": schema, "plain_max_tokens_by_prompt": lengths,
         "cells": cells,
         "tokens_per_s": {m: round(v, 1) for m, v in median.items()},
         "ratio": round(median["json_schema"] / median["plain"], 4),
@@ -194,7 +198,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "method": __doc__,
         "provenance": provenance(
             "bench.structured", argv, device, args.seed,
-            warm_up=f"{args.warmup} requests per cell before its clock starts (the first compiles the grammar)",
+            warm_up=f"every prompt once constrained (compiles the grammar, sets the plain lengths), then "
+                    f"{args.warmup} requests per cell before its clock starts",
             counted="the engine's generated tokens over each cell's wall time, aborted requests' tokens included"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
