@@ -157,9 +157,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         checked["valid"] += valid_outputs(llm, outputs, schema)
 
     warm = loop.run(constrained, requests=len(prompts))        # every prompt once: its constrained length
-    lengths = dict((prompt, len(ids)) for prompt, ids in warm["outputs"])
+    by_prompt = dict((prompt, len(ids)) for prompt, ids in warm["outputs"])
     check(warm.pop("outputs"))
-    lengths = [max(1, lengths[i]) for i in range(len(prompts))]
+    lengths = [max(1, by_prompt[i]) for i in range(len(prompts))]
     plain = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
     params = {"plain": plain, "json_schema": constrained}
 

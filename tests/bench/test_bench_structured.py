@@ -23,6 +23,7 @@ def test_structured_bench_smoke(tmp_path, extra):
     assert [(c["repeat"], c["mode"]) for c in res["cells"]] == [(0, "plain"), (0, "json_schema"),
                                                                (1, "plain"), (1, "json_schema")]
     assert all(c["output_tokens"] > 0 for c in res["cells"])
+    assert len(res["plain_max_tokens_by_prompt"]) == 16 and min(res["plain_max_tokens_by_prompt"]) >= 1
     grammar = res["grammar"]
     assert grammar["finished_outputs"] > 0 and grammar["valid_outputs"] == grammar["finished_outputs"]
     assert len(grammar["compile_ms"]) == 1 and grammar["mask_ms_per_step_median"] > 0
