@@ -523,6 +523,7 @@ class LLMEngine:
         for d, c in enumerate(per_depth):
             by_pos[d] += c
 
+        bs = self.config.cache.block_size
         roots = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
         kept = np.zeros(len(seqs), dtype=bool)
         num_failed = len(self.failed)
@@ -545,7 +546,6 @@ class LLMEngine:
         path = v.path_slots[:, 1:]
         moved_b, moved_c = np.nonzero(kept[:, None] & (column < accepted[:, None]) & (path != column + 1))
         if len(moved_b):
-            bs = self.config.cache.block_size
             src, dst = roots[moved_b] + path[moved_b, moved_c], roots[moved_b] + moved_c + 1
             self.runner.call_all("compact_kv", tables[moved_b, src // bs].astype(np.int64) * bs + src % bs,
                                  tables[moved_b, dst // bs].astype(np.int64) * bs + dst % bs)
@@ -556,7 +556,7 @@ class LLMEngine:
             seq, root = seqs[b], int(roots[b])
             seq.num_computed_tokens = root + 1 + int(accepted[b])
             self.block_manager.commit_full_blocks(seq, root)
-            self.block_manager.truncate(seq, -(-seq.num_tokens // self.config.cache.block_size))
+            self.block_manager.truncate(seq, -(-seq.num_tokens // bs))
         if len(keep):
             on_path = np.arange(v.width) <= accepted[keep, None]     # the root, then the accepted nodes
             rows = np.asarray(first_rows, dtype=np.int64)[keep, None] + v.path_slots[keep]
