@@ -1,20 +1,23 @@
 """Streaming detokenization with stop strings.
 
-Each update decodes only a small window of tokens: from `prefix_offset` (a few tokens of context already
-turned into text, so that merges and leading spaces come out right) to the end, and emits what the window
-adds beyond its already-read part (`prefix_offset:read_offset`). Text ending in U+FFFD means a character
-is still split across tokens: the text before it goes out, the character waits for the next token.
+Text comes from tokenizers' `DecodeStream` (Rust, one call per update): it decodes a small window, from a few
+tokens already turned into text (context, so that merges and leading spaces come out right) to the end, and
+returns what the window adds. While the window's text ends in U+FFFD (a character still split across tokens) it
+returns nothing and holds the tokens; at finish, tokens still held are decoded as they are (U+FFFD included), so
+the deltas add up to a full decode of the output. The first window starts with the prompt's last tokens.
 Stop strings: a tail that could still grow into one is held back; a match cuts the text there.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from tokenizers.decoders import DecodeStream
+
 from replicas.sampling_params import SamplingParams
 from replicas.tokenizer import Tokenizer
 
-_CONTEXT_TOKENS = 5     # prompt tokens decoded as context before the first output token
-_INCOMPLETE = "\ufffd"
+_CONTEXT_TOKENS = 5     # tokens decoded as context before the first new one (the prompt's, at the start)
+_INVALID_PREFIX = "Invalid prefix"
 
 
 class IncrementalDetokenizer:
@@ -25,11 +28,9 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self._longest_stop = max(map(len, self.stop), default=0)
-        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._ids = context                      # context + output ids
-        self._prefix_offset = 0
-        self._read_offset = len(context)
-        self._window_taken = 0                   # chars of the current window's new text already taken
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])    # context + output ids
+        self._stream = DecodeStream(self._ids, self.skip_special_tokens)
+        self._held = 0                           # trailing ids the stream holds back (an incomplete character)
         self.num_tokens = 0                      # output tokens seen
         self._decoded = ""                       # all text decoded so far (past the context)
         self.text = ""                           # text returned so far: the concatenated deltas
@@ -39,22 +40,35 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self.stop_reason is not None
 
-    def _decode_window(self, final: bool = False) -> str:
-        """Text the ids past read_offset add. While the last character is incomplete, only the text before it
-        (once), and the offsets stay; `final` takes everything."""
-        window = self._ids[self._prefix_offset:]
-        read = self.tokenizer.decode(window[:self._read_offset - self._prefix_offset], self.skip_special_tokens)
-        full = self.tokenizer.decode(window, self.skip_special_tokens)
-        new = full[len(read):]
-        if new.endswith(_INCOMPLETE) and not final:
-            ready = new.rstrip(_INCOMPLETE)
-            delta = ready[self._window_taken:]
-            self._window_taken = max(self._window_taken, len(ready))
-            return delta
-        delta = new[self._window_taken:]
-        if new:
-            self._prefix_offset, self._read_offset, self._window_taken = self._read_offset, len(self._ids), 0
-        return delta
+    def _step(self, new_token_ids: list[int]) -> str:
+        """The text the new ids complete ("" while the last character is incomplete)."""
+        ids = new_token_ids[0] if len(new_token_ids) == 1 else new_token_ids
+        try:
+            text = self._stream.step(self.tokenizer.backend, ids)
+        except Exception as e:
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            # The stream refuses a window whose text does not extend its previous text (a decoder that rewrites
+            # earlier characters once more tokens follow): a new stream, from the last emitted tokens as context,
+            # takes the held and new ids.
+            emitted = len(self._ids) - self._held - len(new_token_ids)
+            self._stream = DecodeStream(self._ids[max(0, emitted - _CONTEXT_TOKENS):emitted],
+                                        self.skip_special_tokens)
+            text = self._stream.step(self.tokenizer.backend, self._ids[emitted:])
+        if text is None:
+            self._held += len(new_token_ids)
+            return ""
+        self._held = 0
+        return text
+
+    def _held_text(self) -> str:
+        """The held ids decoded as they are, after the last emitted tokens as context."""
+        if not self._held:
+            return ""
+        emitted = len(self._ids) - self._held
+        window = self._ids[max(0, emitted - _CONTEXT_TOKENS):]
+        read = self.tokenizer.decode(window[:len(window) - self._held], self.skip_special_tokens)
+        return self.tokenizer.decode(window, self.skip_special_tokens)[len(read):]
 
     def update(self, new_token_ids: list[int]) -> tuple[str, Optional[str]]:
         """Feed new output tokens; returns (text to stream now, the stop string matched or None).
@@ -63,14 +77,14 @@ class IncrementalDetokenizer:
             return "", None
         self._ids.extend(new_token_ids)
         self.num_tokens += len(new_token_ids)
-        return self._take(self._decode_window(), final=False)
+        return self._take(self._step(new_token_ids), final=False)
 
     def flush(self) -> str:
         """At finish: the held-back tail (a possible stop-string start, an incomplete character). A stop string
         found in it still truncates the text and sets `stop_reason`."""
         if self.finished:
             return ""
-        return self._take(self._decode_window(final=True), final=True)[0]
+        return self._take(self._held_text(), final=True)[0]
 
     def _take(self, new_text: str, final: bool) -> tuple[str, Optional[str]]:
         searched_to = len(self._decoded)
