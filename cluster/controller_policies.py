@@ -14,7 +14,10 @@ change), and the policies keep a hysteresis band of their own.
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
 - `auto`: per replica, measures both (a trial of `trial_rounds` rounds each, with the other knob at its neutral
   setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
-  SLOs more often (a tie keeps the last one tried), and measures again after `exploit_rounds`. It decides from
+  SLOs more often, and measures again after `exploit_rounds`. On equal attainment (both met the SLOs for every
+  request, the common case away from overload) the arm whose requests kept further from the SLOs wins (lower
+  mean SLO load: per request the larger of TTFT / TTFT SLO and inter-token latency / ITL SLO), by more than
+  `switch_margin` against the arm in force (the last one tried), which otherwise stays. It decides from
   what it measured, never from a default belief about which knob pays. The order of the trials only saves
   changes: a round of trials ends with the arm it found in force, so that if that arm wins again it goes on
   as it was (nothing taken back and redone); the first round tries `elastic` first, because its neutral
@@ -46,6 +49,7 @@ class ControllerConfig:
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
     trial_rounds: int = 6               # auto: rounds each knob is measured
     exploit_rounds: int = 60            # auto: rounds on the better knob before measuring both again
+    switch_margin: float = 0.1          # auto, equal attainment: how much lower another arm's SLO load must be
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,14 @@ class Window:
         met = sum(1 for t, i in zip(self.ttft_s, self.itl_s)
                   if t * 1e3 <= cfg.ttft_slo_ms and i * 1e3 <= cfg.itl_slo_ms)
         return met / len(self.ttft_s)
+
+    def slo_load(self, cfg: ControllerConfig) -> Optional[float]:
+        """The mean over requests of max(TTFT / TTFT SLO, ITL / ITL SLO): how close to the SLOs the requests ran
+        (below 1: within both; None: no request)."""
+        if not self.ttft_s:
+            return None
+        return sum(max(t * 1e3 / cfg.ttft_slo_ms, i * 1e3 / cfg.itl_slo_ms)
+                   for t, i in zip(self.ttft_s, self.itl_s)) / len(self.ttft_s)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -171,26 +183,41 @@ class AutoPolicy(ConfiguredPolicy):
         cfg = self.cfg
         arms = list(ARMS) if view.elastic_available else ["chunk"]
         if state.get("arm") not in arms:
-            state.update(scores={}, order=arms)
+            state.update(scores={}, loads={}, order=arms)
             self._enter(state, arms[0], "trial" if len(arms) > 1 else "exploit", now)
         state["arm_rounds"] = state.get("arm_rounds", 0) + 1
         arm = state["arm"]
         if state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
-            score = view.window(state["entered_at"]).attainment(cfg)
+            trial = view.window(state["entered_at"])
+            score = trial.attainment(cfg)
             if score is not None or state["arm_rounds"] >= 3 * cfg.trial_rounds:
                 state["scores"][arm] = score
+                state.setdefault("loads", {})[arm] = trial.slo_load(cfg)
                 untried = [a for a in state.get("order", arms) if a not in state["scores"]]
                 if untried:
                     self._enter(state, untried[0], "trial", now)
                 else:
-                    scored = {a: s for a, s in state["scores"].items() if s is not None}
-                    best = max(scored, key=lambda a: (scored[a], a == arm)) if scored else arm
-                    self._enter(state, best, "exploit", now)
+                    self._enter(state, self._best(state, arm), "exploit", now)
         elif state["phase"] == "exploit" and len(arms) > 1 and state["arm_rounds"] >= cfg.exploit_rounds:
             order = [a for a in arms if a != arm] + [arm]         # the arm in force is tried last
-            state.update(scores={}, order=order)
+            state.update(scores={}, loads={}, order=order)
             self._enter(state, order[0], "trial", now)
         return self._neutral(view, state["arm"]) or self.arms[state["arm"]].decide(view, state, now)
+
+    def _best(self, state: dict, in_force: str) -> str:
+        """The arm with the highest attainment; among equals, the lowest SLO load, the arm in force's counted
+        `switch_margin` lower (so noise between two equally good arms changes nothing)."""
+        scored = {a: s for a, s in state["scores"].items() if s is not None}
+        if not scored:
+            return in_force
+        top = max(scored.values())
+        loads = state.get("loads", {})
+
+        def load(a: str) -> float:
+            value = loads.get(a)
+            value = float("inf") if value is None else value
+            return value * (1.0 - self.cfg.switch_margin) if a == in_force else value
+        return min((a for a in scored if scored[a] == top), key=lambda a: (load(a), a != in_force))
 
     @staticmethod
     def _enter(state: dict, arm: str, phase: str, now: float) -> None:

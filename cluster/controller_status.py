@@ -35,6 +35,7 @@ def controller_view(replica: dict) -> dict:
     return {"replica_id": replica["replica_id"],
             "policy": state.get("policy", "static"),
             "arm": state.get("arm"), "phase": state.get("phase"), "scores": state.get("scores"),
+            "slo_loads": state.get("loads"),
             "rounds": state.get("round", 0),
             "max_num_batched_tokens": s["max_num_batched_tokens"], "budget_limit": replica["budget_limit"],
             "elastic_mode": s["elastic_mode"], "elastic_available": replica["elastic_available"],
@@ -52,7 +53,9 @@ def render(views: list[dict]) -> str:
             f"{v['reserve_lent_bytes'] / 2**20:.0f} of {v['reserve_bytes'] / 2**20:.0f} MiB lent"
         if v["reserve_granted_blocks"]:
             reserve += f", {v['reserve_granted_blocks']} blocks given to KV at this budget"
-        policy = v["policy"] + (f" ({v['phase']} {v['arm']}, scores {v['scores']})" if v["arm"] else "")
+        loads = {a: None if x is None else round(x, 2) for a, x in (v.get("slo_loads") or {}).items()}
+        policy = v["policy"] + (f" ({v['phase']} {v['arm']}, scores {v['scores']}"
+                                f"{f', SLO loads {loads}' if loads else ''})" if v["arm"] else "")
         lines += [f"replica {v['replica_id']}: policy {policy}, {v['rounds']} rounds",
                   f"  max_num_batched_tokens {v['max_num_batched_tokens']} (limit {v['budget_limit']}), "
                   f"elastic {v['elastic_mode']}{'' if v['elastic_available'] else ' (not available)'}, "

@@ -101,6 +101,20 @@ def test_auto_keeps_the_last_arm_tried_on_a_tie_so_nothing_changes_back():
     assert not [d for d in decided if d.reason == "auto_elastic"]
 
 
+
+@pytest.mark.parametrize("chunk_ttft_ms, winner", [(60.0, "elastic"), (21.0, "chunk")])
+def test_auto_breaks_an_attainment_tie_by_slo_headroom_beyond_the_margin(chunk_ttft_ms, winner):
+    """Both trials meet the SLOs for every request: the arm whose requests ran further from the SLOs wins, unless
+    it is within `switch_margin` of the arm in force (chunk, tried last), which then stays."""
+    auto, state, now = AutoPolicy(CFG), {}, 100.0
+    for _ in range(6):
+        ttft = chunk_ttft_ms if state.get("arm") == "chunk" else 20.0
+        auto.decide(view([ttft] * 3, itl_ms=[5.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off"), state, now)
+        now += 1.0
+    assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
+    assert state["loads"] == pytest.approx({"elastic": 0.2, "chunk": chunk_ttft_ms / 100.0})
+    assert state["phase"] == "exploit" and state["arm"] == winner
+
 class RecordingFleet:
     """Views given by the test, what the controller sends kept; replica state round-trips as on real replicas."""
 
