@@ -5,7 +5,8 @@ tokens already turned into text (context, so that merges and leading spaces come
 returns what the window adds. While the window's text ends in U+FFFD (a character still split across tokens) it
 returns nothing and holds the tokens; at finish, tokens still held are decoded as they are (U+FFFD included), so
 the deltas add up to a full decode of the output. The first window starts with the prompt's last tokens.
-Stop strings: a tail that could still grow into one is held back; a match cuts the text there.
+Stop strings: a tail that could still grow into one is held back; a match cuts the text there. Only that tail is
+kept as a string, so an update costs the same at any output length.
 """
 from __future__ import annotations
 
@@ -32,13 +33,18 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(self._ids, self.skip_special_tokens)
         self._held = 0                           # trailing ids the stream holds back (an incomplete character)
         self.num_tokens = 0                      # output tokens seen
-        self._decoded = ""                       # all text decoded so far (past the context)
-        self.text = ""                           # text returned so far: the concatenated deltas
+        self._unsent = ""                        # decoded text held back: a tail that may grow into a stop string
+        self._sent: list[str] = []               # the deltas returned so far
         self.stop_reason: Optional[str] = None   # the stop string that ended the output, if any
 
     @property
     def finished(self) -> bool:
         return self.stop_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The text returned so far: the concatenated deltas."""
+        return "".join(self._sent)
 
     def _step(self, new_token_ids: list[int]) -> str:
         """The text the new ids complete ("" while the last character is incomplete)."""
@@ -87,34 +93,36 @@ class IncrementalDetokenizer:
         return self._take(self._held_text(), final=True)[0]
 
     def _take(self, new_text: str, final: bool) -> tuple[str, Optional[str]]:
-        searched_to = len(self._decoded)
-        self._decoded += new_text
-        if not self.stop or self.num_tokens < self.min_tokens:
-            return self._emit(len(self._decoded)), None
-        stop, at = self._find_stop(max(len(self.text), searched_to - self._longest_stop + 1))
+        if not self.stop:
+            self._sent.append(new_text)
+            return new_text, None
+        searched_to = len(self._unsent)     # a match starting before this would have been found already
+        self._unsent += new_text
+        if self.num_tokens < self.min_tokens:
+            return self._send(len(self._unsent)), None
+        stop, at = self._find_stop(max(0, searched_to - self._longest_stop + 1))
         if stop is not None:
             self.stop_reason = stop
-            self._decoded = self._decoded[:at + len(stop) if self.include_stop else at]
-            return self._emit(len(self._decoded)), stop
-        return self._emit(len(self._decoded) - (0 if final else self._stop_prefix_length())), None
+            return self._send(at + len(stop) if self.include_stop else at), stop
+        return self._send(len(self._unsent) - (0 if final else self._stop_prefix_length())), None
 
-    def _emit(self, end: int) -> str:
-        delta = self._decoded[len(self.text):end]
-        self.text += delta
+    def _send(self, end: int) -> str:
+        delta, self._unsent = self._unsent[:end], self._unsent[end:]
+        self._sent.append(delta)
         return delta
 
     def _find_stop(self, start: int) -> tuple[Optional[str], int]:
-        """The earliest stop string at or after `start` in the decoded text."""
+        """The earliest stop string at or after `start` in the text not yet sent."""
         best, best_at = None, -1
         for s in self.stop:
-            at = self._decoded.find(s, start)
+            at = self._unsent.find(s, start)
             if at != -1 and (best is None or at < best_at):
                 best, best_at = s, at
         return best, best_at
 
     def _stop_prefix_length(self) -> int:
-        """Length of the longest tail of the decoded text that could still grow into a stop string."""
-        tail = self._decoded[max(len(self.text), len(self._decoded) - self._longest_stop + 1):]
+        """Length of the longest tail of the unsent text that could still grow into a stop string."""
+        tail = self._unsent[max(0, len(self._unsent) - self._longest_stop + 1):]
         for k in range(len(tail), 0, -1):
             if any(s.startswith(tail[-k:]) for s in self.stop):
                 return k
