@@ -34,6 +34,7 @@ from replicas import envs
 from replicas.config import EngineConfig
 from replicas.outputs import RequestOutput
 from replicas.sampling_params import SamplingParamsError
+from replicas.startup_heap import freeze_startup_heap
 from replicas.stats import EngineStats
 
 logger = logging.getLogger("tidal.replica")
@@ -306,6 +307,15 @@ class EngineReplica(OpenAIRoutes):
             engine.shutdown()
 
 
+class ServedEngineReplica(EngineReplica):
+    """An EngineReplica in a Serve replica process of its own, whose start-up heap is frozen once the engine is up
+    (replicas/startup_heap.py): the process's full collections then walk only what serving allocates."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        freeze_startup_heap()
+
+
 # Serve replaces a replica after three failed checks in a row: with a dead or stuck engine, within ~6 s.
 LLMReplica = serve.deployment(
     name="LLMReplica",
@@ -313,4 +323,4 @@ LLMReplica = serve.deployment(
     health_check_timeout_s=30,
     graceful_shutdown_wait_loop_s=0.5,
     graceful_shutdown_timeout_s=120,
-)(serve.ingress(app)(EngineReplica))
+)(serve.ingress(app)(ServedEngineReplica))

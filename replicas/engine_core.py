@@ -37,6 +37,7 @@ from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, Clie
                                       DrainFinishedTimings, EngineInfo, GetStats, Outputs, Prompt, Ready,
                                       Reconfigure, Reply, RequestFailed, Shutdown, encode_core_message)
 from replicas.outputs import RequestOutput
+from replicas.startup_heap import freeze_startup_heap
 
 __all__ = ["ChatPrompt", "EngineCore", "EngineInfo", "IDLE_BEAT_S", "Prompt", "portable_error", "run_engine_core"]
 
@@ -149,6 +150,7 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         core = EngineCore(engine, inputs, outputs, heartbeat)
         core.beat()
         bm = engine.block_manager
+        freeze_startup_heap()
         core.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
                                    bm.num_base * bm.block_size, engine.elastic is not None)))
         core.run()
