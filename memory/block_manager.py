@@ -162,6 +162,8 @@ class BlockManager:
             return
         bs = self.block_size
         first, last = num_committed_before // bs, seq.num_computed_tokens // bs
+        if first == last:               # no block filled up (most decode steps)
+            return
         parent = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
         for i in range(first, last):
             block = self.blocks[seq.block_table[i]]

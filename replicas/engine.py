@@ -294,7 +294,7 @@ class LLMEngine:
         if step is None:
             step = StepInput.from_batch(batch, self.config.cache.block_size, trees,
                                         spec.aux_layers if spec is not None else ())
-        sampling = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        sampling = batch.sampling_rows()
         self._in_forward = True
         logits = self.runner.execute(step)
         self._in_forward = False

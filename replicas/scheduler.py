@@ -44,13 +44,12 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.seqs
 
-    def samples(self, i: int) -> bool:
-        """Sequence i reaches the end of its known tokens in this step, so it samples one (speculative rows
-        sample per tree node instead)."""
-        seq = self.seqs[i]
-        if self.num_drafts(i):
-            return False
-        return i < self.ahead or seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+    def sampling_rows(self) -> list[int]:
+        """The rows whose sequence reaches the end of its known tokens in this step, so it samples one
+        (speculative rows sample per tree node instead; rows decoding ahead always sample)."""
+        drafts = self.drafts or [0] * len(self.seqs)
+        return [i for i, (seq, n, d) in enumerate(zip(self.seqs, self.num_new_tokens, drafts))
+                if not d and (i < self.ahead or seq.num_computed_tokens + n == len(seq.token_ids))]
 
 
 @dataclass(frozen=True)
