@@ -50,7 +50,8 @@ def report_streaming(section: dict) -> None:
           f"{'met' if met['tpot_ms_c1'] else 'missed'}); at {c} streams ITL median "
           f"{section['median_itl_ms_c256']:.2f}, "
           f"p99 {section['p99_itl_ms_c256']:.2f} ms (target <= {ITL_P99_TARGET_MS:g}: "
-          f"{'met' if met['p99_itl_ms_c256'] else 'missed'}), TPOT mean {section['mean_tpot_ms_c256']:.2f} ms; "
+          f"{'met' if met['p99_itl_ms_c256'] else 'missed'}; steady state {section['p99_itl_ms_c256_steady']:.2f}), "
+          f"TPOT mean {section['mean_tpot_ms_c256']:.2f} ms; "
           f"Serve/direct throughput {section['throughput_ratio']:.3f} (target >= {THROUGHPUT_TARGET:.2f}: "
           f"{'met' if met['throughput_ratio'] else 'missed'}); {section['failed']} failed")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from bench.serve_overhead import direct_config, main, over_repeats, serve_flags, streaming_over_repeats, write_section
+from bench.serve_overhead import (Stream, direct_config, main, over_repeats, serve_flags, steady_gaps,
+                                  streaming_over_repeats, write_section)
 from cluster.app import engine_config
 from cluster.serve_cmd import add_serve_parser, serve_app_args
 
@@ -81,12 +82,13 @@ def test_streaming_section_takes_the_front_doors_figures_and_keeps_the_files_oth
     def run(tok_s, failed=0):
         def level(tpot, p99):
             return {"failed": failed, "tpot_ms": {"mean": tpot}, "itl_ms": {"median": tpot, "p99": p99},
-                    "output_tok_s": tok_s}
+                    "itl_ms_steady": {"p99": p99 / 2}, "output_tok_s": tok_s}
         return {"idle": level(1.2, 2.0), "loaded": level(10.0, 40.0)}
     section = streaming_over_repeats([run(900.0), run(950.0, failed=1), run(800.0)],
                                      [run(1000.0), run(1000.0), run(1000.0)])
     assert (section["tpot_ms_c1"], section["p99_itl_ms_c256"], section["median_itl_ms_c256"],
             section["mean_tpot_ms_c256"], section["throughput_ratio"]) == (1.2, 40.0, 10.0, 10.0, 0.9)
+    assert section["p99_itl_ms_c256_steady"] == 20.0
     assert section["failed"] == 2 and [e["failed"] for e in section["each_repeat"]] == [0, 2, 0]
     assert section["meets_targets"] == {"failed": False, "tpot_ms_c1": True, "p99_itl_ms_c256": True,
                                         "throughput_ratio": True}
@@ -94,3 +96,15 @@ def test_streaming_section_takes_the_front_doors_figures_and_keeps_the_files_oth
     out.write_text(json.dumps({"throughput_ratio_64": 0.98}))
     write_section(str(out), "streaming", section)
     assert json.loads(out.read_text()) == {"throughput_ratio_64": 0.98, "streaming": json.loads(json.dumps(section))}
+
+
+def test_steady_gaps_leave_out_the_opening_wave_and_the_drain():
+    """Two streams at once, then a third sent at 5.0: the steady span runs from 2.0 (the opening wave's last first
+    token) to 5.0 (the last send); only gaps wholly inside it count."""
+    streams = [Stream(0.0, (1.0, 2.5, 3.0, 6.0), 4), Stream(0.0, (2.0, 4.0, 4.5), 3), Stream(5.0, (5.5, 7.0), 2),
+               Stream(0.5, error="HTTP 500")]
+    assert steady_gaps(streams[:3], 2) == [0.5, 2.0, 0.5]
+    assert steady_gaps(streams[:2], 2) == []              # no request beyond the opening wave: no steady state
+    # a failed request of the opening wave: the others' first tokens set the span
+    assert steady_gaps([streams[3], *streams[:3]], 2) == [1.5, 0.5, 2.0, 0.5]
+    assert steady_gaps([streams[3], *streams[:3]], 1) == []       # the whole opening wave failed
