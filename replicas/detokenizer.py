@@ -1,6 +1,6 @@
 """Streaming detokenization with stop strings.
 
-Text comes from tokenizers' `DecodeStream` (Rust, one call per update): it decodes a small window, from a few
+Text comes from tokenizers' `DecodeStream` (Rust, one call per token): it decodes a small window, from a few
 tokens already turned into text (context, so that merges and leading spaces come out right) to the end, and
 returns what the window adds. While the window's text ends in U+FFFD (a character still split across tokens) it
 returns nothing and holds the tokens; at finish, tokens still held are decoded as they are (U+FFFD included), so
@@ -30,7 +30,7 @@ class IncrementalDetokenizer:
         self.min_tokens = params.min_tokens
         self._longest_stop = max(map(len, self.stop), default=0)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])    # context + output ids
-        self._stream = DecodeStream(self._ids, self.skip_special_tokens)
+        self._stream = self._new_stream(self._ids)
         self._held = 0                           # trailing ids the stream holds back (an incomplete character)
         self.num_tokens = 0                      # output tokens seen
         self._unsent = ""                        # decoded text held back: a tail that may grow into a stop string
@@ -46,26 +46,47 @@ class IncrementalDetokenizer:
         """The text returned so far: the concatenated deltas."""
         return "".join(self._sent)
 
-    def _step(self, new_token_ids: list[int]) -> str:
-        """The text the new ids complete ("" while the last character is incomplete)."""
-        ids = new_token_ids[0] if len(new_token_ids) == 1 else new_token_ids
+    def _new_stream(self, context: list[int]) -> DecodeStream:
+        """A stream that has decoded `context` (as context: its text is not returned). Primed a token at a time, the
+        one way every tokenizers release with DecodeStream offers."""
+        stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         try:
-            text = self._stream.step(self.tokenizer.backend, ids)
+            for token in context:
+                stream.step(self.tokenizer.backend, token)
         except Exception as e:
             if not str(e).startswith(_INVALID_PREFIX):
                 raise
-            # The stream refuses a window whose text does not extend its previous text (a decoder that rewrites
-            # earlier characters once more tokens follow): a new stream, from the last emitted tokens as context,
-            # takes the held and new ids.
-            emitted = len(self._ids) - self._held - len(new_token_ids)
-            self._stream = DecodeStream(self._ids[max(0, emitted - _CONTEXT_TOKENS):emitted],
-                                        self.skip_special_tokens)
-            text = self._stream.step(self.tokenizer.backend, self._ids[emitted:])
-        if text is None:
-            self._held += len(new_token_ids)
-            return ""
-        self._held = 0
-        return text
+            return DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        return stream
+
+    def _step(self, new_token_ids: list[int]) -> str:
+        """The text the new ids complete ("" while the last character is incomplete)."""
+        backend, texts = self.tokenizer.backend, []
+        for token in new_token_ids:
+            self._ids.append(token)
+            try:
+                text = self._stream.step(backend, token)
+            except Exception as e:
+                if not str(e).startswith(_INVALID_PREFIX):
+                    raise
+                # The stream refuses a window whose text does not extend its previous text (a decoder that
+                # rewrites earlier characters once more tokens follow): a new stream, from the last emitted tokens
+                # as context, takes the held ids and this one.
+                emitted = len(self._ids) - self._held - 1
+                self._stream = self._new_stream(self._ids[max(0, emitted - _CONTEXT_TOKENS):emitted])
+                self._held = 0
+                for again in self._ids[emitted:]:
+                    text = self._stream.step(backend, again)
+                    self._held = self._held + 1 if text is None else 0
+                    if text is not None:
+                        texts.append(text)
+                continue
+            if text is None:
+                self._held += 1
+            else:
+                self._held = 0
+                texts.append(text)
+        return texts[0] if len(texts) == 1 else "".join(texts)
 
     def _held_text(self) -> str:
         """The held ids decoded as they are, after the last emitted tokens as context."""
@@ -81,7 +102,6 @@ class IncrementalDetokenizer:
         After a stop string matched, further tokens are ignored."""
         if self.finished or not new_token_ids:
             return "", None
-        self._ids.extend(new_token_ids)
         self.num_tokens += len(new_token_ids)
         return self._take(self._step(new_token_ids), final=False)
 

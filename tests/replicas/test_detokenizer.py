@@ -143,13 +143,13 @@ def test_stream_refusing_a_window_restarts_from_the_emitted_tokens(tok, prompt, 
     real, made = module.DecodeStream, []
 
     class Refusing:
-        def __init__(self, *args):
-            self.inner, self.calls = real(*args), 0
+        def __init__(self, *args, **kwargs):
+            self.inner, self.calls = real(*args, **kwargs), 0
             made.append(self)
 
         def step(self, backend, new):
             self.calls += 1
-            if len(made) == 1 and self.calls == 7:
+            if len(made) == 1 and self.calls == 9:          # past the prompt's 5 tokens of context
                 raise Exception("Invalid prefix encountered")
             return self.inner.step(backend, new)
 
