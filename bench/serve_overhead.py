@@ -32,8 +32,8 @@ Streaming figures of every run: TPOT per request ((last token - first token) / (
 clock: `tpot_ms` mean/median/p90/p99) and ITL, the gaps between a request's consecutive chunks that carry tokens,
 all requests pooled (`itl_ms`; direct: engine outputs, Serve: SSE chunks with a choice), and those of the
 steady state alone (`itl_ms_steady`: both chunks after the opening wave of --concurrency requests all had their
-first token and before the last request was sent, so neither the burst of first prefills nor the drain counts). A request that fails
-(an HTTP error, an error event, an incomplete stream) is counted in `failed`, not measured.
+first token and before the last request was sent, so neither the burst of first prefills nor the drain counts).
+A request that fails (an HTTP error, an error event, an incomplete stream) is counted in `failed`, not measured.
 The loaded run also records the engine's counters meanwhile (`engine`: tokens per step, ms per step, steps
 that ran a prefill; direct: `AsyncLLMEngine.stats()`, Serve: GET /stats): a slower path either left the engine
 fewer requests to batch or made its steps slower.
@@ -42,10 +42,9 @@ Targets: added median TTFT <= 5 ms, Serve/direct output throughput >= 0.90 at 64
 --streaming: the direct engine and the front door only, --concurrency 256 by default; writes the `streaming`
 section of --out, keeping the file's other keys (`tpot_ms_c1`: mean TPOT of the one-at-a-time run through the front
 door; `p99_itl_ms_c256`, `median_itl_ms_c256`, `mean_tpot_ms_c256`: its loaded run (`p99_itl_ms_c256_steady`: of
-its steady state); `throughput_ratio`: Serve
-over direct output tok/s loaded; `failed`: requests that failed on any path; the _c256 keys hold --concurrency,
-`concurrency` records it; medians over repeats, `each_repeat`). Targets: TPOT <= 1.3 ms at one stream, p99 ITL
-<= 50 ms at 256 streams, throughput ratio >= 0.90, nothing failed.
+its steady state); `throughput_ratio`: Serve over direct output tok/s loaded; `failed`: requests that failed on any
+path; the _c256 keys hold --concurrency, `concurrency` records it; medians over repeats, `each_repeat`). Targets:
+TPOT <= 1.3 ms at one stream, p99 ITL <= 50 ms at 256 streams, throughput ratio >= 0.90, nothing failed.
 """
 from __future__ import annotations
 
@@ -150,25 +149,23 @@ def summarize(streams: list[Stream], seconds: float, cpu_seconds: float, concurr
     tpots = [request_tpot(s.chunks[-1] - s.start, s.ttft_s, s.tokens) for s in ok]
     gaps = [b - a for s in ok for a, b in zip(s.chunks, s.chunks[1:])]
     return {"concurrency": concurrency, "num_requests": len(streams), "failed": len(errors),
-            "itl_ms_steady": asdict(Summary.of_seconds(steady_gaps(streams, concurrency))),
             "errors": errors[:MAX_ERRORS_KEPT], "output_tokens": tokens, "seconds": seconds,
             "output_tok_s": tokens / seconds, "ttft_ms": asdict(Summary.of_seconds([s.ttft_s for s in ok])),
             "tpot_ms": asdict(Summary.of_seconds([t for t in tpots if t is not None])),
-            "itl_ms": asdict(Summary.of_seconds(gaps)), "process_cpu_s": cpu_seconds, "ended_at": time.time()}
+            "itl_ms": asdict(Summary.of_seconds(gaps)),
+            "itl_ms_steady": asdict(Summary.of_seconds(steady_gaps(streams, concurrency))),
+            "process_cpu_s": cpu_seconds, "ended_at": time.time()}
 
 
 def steady_gaps(streams: list[Stream], concurrency: int) -> list[float]:
     """The chunk gaps of the closed loop's steady state: both chunks after every stream of the opening wave (the
     first `concurrency` sent at once) had its first token, and before the last request was sent (after it, fewer
     streams run); empty when the two do not leave a span."""
-    ok = [s for s in streams if not s.error]
-    if len(streams) <= concurrency or not ok:
-        return []
     firsts = [s.chunks[0] for s in streams[:concurrency] if not s.error and s.chunks]
-    if not firsts:
+    if len(streams) <= concurrency or not firsts:
         return []
     begin, end = max(firsts), max(s.start for s in streams)
-    return [b - a for s in ok for a, b in zip(s.chunks, s.chunks[1:]) if begin <= a and b <= end]
+    return [b - a for s in streams if not s.error for a, b in zip(s.chunks, s.chunks[1:]) if begin <= a and b <= end]
 
 
 Counters = Callable[[], Awaitable[tuple[int, int, int]]]

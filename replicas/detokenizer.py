@@ -65,7 +65,7 @@ class IncrementalDetokenizer:
         for token in new_token_ids:
             self._ids.append(token)
             try:
-                text = self._stream.step(backend, token)
+                pieces = [self._stream.step(backend, token)]
             except Exception as e:
                 if not str(e).startswith(_INVALID_PREFIX):
                     raise
@@ -75,17 +75,13 @@ class IncrementalDetokenizer:
                 emitted = len(self._ids) - self._held - 1
                 self._stream = self._new_stream(self._ids[max(0, emitted - _CONTEXT_TOKENS):emitted])
                 self._held = 0
-                for again in self._ids[emitted:]:
-                    text = self._stream.step(backend, again)
-                    self._held = self._held + 1 if text is None else 0
-                    if text is not None:
-                        texts.append(text)
-                continue
-            if text is None:
-                self._held += 1
-            else:
-                self._held = 0
-                texts.append(text)
+                pieces = [self._stream.step(backend, t) for t in self._ids[emitted:]]
+            for text in pieces:
+                if text is None:
+                    self._held += 1
+                else:
+                    self._held = 0
+                    texts.append(text)
         return texts[0] if len(texts) == 1 else "".join(texts)
 
     def _held_text(self) -> str:
