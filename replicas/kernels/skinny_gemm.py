@@ -4,6 +4,9 @@ The weights dominate the bytes, so the grid runs over N tiles (x K splits) and e
 its M tile in registers: each weight tile is read from HBM once. A tile product runs on tensor cores (`tl.dot`,
 M tiles of 16 rows or more) or, for batches of a few rows, on CUDA cores (`gemv`: each weight element is
 multiplied by the 1, 2 or 4 rows of its M tile and summed along K), which wastes no tensor-core rows on padding.
+A CUDA-core product sums its K tile across lanes (shuffles, and shared memory between warps) every iteration, or,
+with `reduce_late`, keeps a register per tile element that each iteration only adds its products to, and sums
+across lanes once after the K loop: no cross-lane traffic in the loop, for a tile's worth of fp32 registers.
 When M spans several M tiles, the M tile is the fastest-varying program index, so the programs sharing a weight
 tile run side by side and share it through L2.
 Split-K writes fp32 partials [split_k, M, N] to a workspace that one reduce kernel sums in split order
@@ -42,14 +45,17 @@ class SkinnyConfig:
     num_stages: int = 4
     fp8_dot: bool = False          # FP8 weights only: FP8 x FP8 tile products (module docstring)
     gemv: bool = False             # products on CUDA cores, no tensor-core tile: block_m may be 1, 2 or 4
+    reduce_late: bool = False      # gemv only: sum across lanes once after the K loop (module docstring)
 
     def __post_init__(self):
         if self.gemv and self.fp8_dot:
             raise ValueError("a skinny config multiplies on CUDA cores (gemv) or on FP8 tensor cores, not both")
+        if self.reduce_late and not self.gemv:
+            raise ValueError("reduce_late applies to CUDA-core products (gemv) only")
 
     def __str__(self) -> str:
-        return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}st{self.num_stages}{'d8' if self.fp8_dot else ''}{'v' if self.gemv else ''}")
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
+                f"{'d8' if self.fp8_dot else ''}{'v' if self.gemv else ''}{'r' if self.reduce_late else ''}")
 
 
 def split_k_range(k: int, cfg: SkinnyConfig) -> int:
@@ -63,7 +69,8 @@ def _skinny_gemm_kernel(
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-    FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, GEMV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, GEMV: tl.constexpr, REDUCE_LATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -81,6 +88,8 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + rows_in[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols_in[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if REDUCE_LATE:
+        lanes = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
@@ -89,7 +98,9 @@ def _skinny_gemm_kernel(
             k_mask = (k + offs_k) < k_hi
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        if GEMV:
+        if REDUCE_LATE:
+            lanes += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        elif GEMV:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         elif FP8_DOT:
             xf = x.to(tl.float32)
@@ -102,6 +113,8 @@ def _skinny_gemm_kernel(
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if REDUCE_LATE:
+        acc = tl.sum(lanes, axis=2)
 
     if HAS_SCALE:                                   # per output column: commutes with the split-K sum
         acc *= tl.load(s_ptr + cols_in)[None, :]
@@ -158,7 +171,7 @@ def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: S
         k_per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         FP8_DOT=cfg.fp8_dot, FP8_MAX=torch.finfo(weight.dtype).max if cfg.fp8_dot else 0.0, GEMV=cfg.gemv,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        REDUCE_LATE=cfg.reduce_late, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:

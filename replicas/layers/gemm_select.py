@@ -88,7 +88,8 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
     """A handful of skinny configs worth timing for one (M, N, K): M tile holding the batch, N tiles of
     32-128 columns, each with split_k = 1 and with the split that fills the GPU. A one-byte (FP8) weight takes
     K tiles twice as long, so each weight tile moves as many bytes as a bf16 one, and each tile shape is tried both
-    weight-only and on FP8 tensor cores. Batches of at most MAX_GEMV_M rows also try CUDA-core products."""
+    weight-only and on FP8 tensor cores. Batches of at most MAX_GEMV_M rows also try CUDA-core products, each tile
+    shape reduced across lanes per K tile and once at the end (`reduce_late`)."""
     out: list[SkinnyConfig] = []
     for bm in _block_ms(m):
         warps = 4 if bm <= 64 else 8
@@ -109,6 +110,7 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
             tiles = -(-n // bn)
             for split in sorted({1, fill_split(tiles, k, bk, num_sms)}):
                 out.append(SkinnyConfig(bm, bn, bk, split, 4, 3, gemv=True))
+                out.append(SkinnyConfig(bm, bn, bk, split, 4, 3, gemv=True, reduce_late=True))
     return out
 
 

@@ -36,6 +36,8 @@ GEMM_CASES = [  # m, n, k, config: ragged M, N and K off the blocks, split_k 1 a
     (1, 40, 300, SkinnyConfig(1, 16, 64, 1, 4, 3, gemv=True)),           # CUDA-core products, ragged K
     (3, 50, 257, SkinnyConfig(4, 8, 64, 3, 4, 3, gemv=True)),            # a 4-row tile holding 3 rows, split K
     (5, 24, 96, SkinnyConfig(2, 8, 32, 1, 4, 3, gemv=True)),             # 3 M tiles of 2 rows, the last ragged
+    (1, 40, 300, SkinnyConfig(1, 16, 64, 1, 4, 3, gemv=True, reduce_late=True)),     # summed after the K loop
+    (3, 50, 257, SkinnyConfig(4, 8, 64, 3, 4, 3, gemv=True, reduce_late=True)),
 ]
 
 
@@ -73,14 +75,15 @@ def test_skinny_gemm_strided_input_rows():
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("fp8_dot,gemv", [(False, False), (True, False), (False, True)])
-def test_skinny_gemm_reads_an_fp8_weight_with_its_row_scales(split, fp8_dot, gemv):
+@pytest.mark.parametrize("fp8_dot,gemv,reduce_late", [(False, False, False), (True, False, False),
+                                                      (False, True, False), (False, True, True)])
+def test_skinny_gemm_reads_an_fp8_weight_with_its_row_scales(split, fp8_dot, gemv, reduce_late):
     from replicas.layers.fp8_linear import quantize_rows
     gen = torch.Generator().manual_seed(split)
     x = torch.randn(5, 200, generator=gen).to(DEVICE)
     q, scale = quantize_rows(torch.randn(40, 200, generator=gen))
     bias = torch.randn(40, generator=gen).to(DEVICE)
-    cfg = SkinnyConfig(4 if gemv else 16, 16, 32, split, 4, 2, fp8_dot, gemv)
+    cfg = SkinnyConfig(4 if gemv else 16, 16, 32, split, 4, 2, fp8_dot, gemv, reduce_late)
     y = skinny_gemm(x, q.to(DEVICE), bias, cfg, scale.to(DEVICE))
     want = x @ (q.float() * scale[:, None]).T.to(DEVICE) + bias
     if fp8_dot:        # x tiles in E4M3 too: a 3-bit mantissa's error, spread over the sum
@@ -108,9 +111,13 @@ def test_candidates_fit_the_tile_limits_and_fill_split_fills_the_gpu():
         gemv = [c for c in candidate_configs(m, 4096, 4096, 132) if c.gemv]
         assert gemv and all(c.block_m == (1 if m == 1 else 4) for c in gemv)
         assert all(c.block_m * c.block_n * c.block_k <= gemm_select.GEMV_TILE_ELEMS for c in gemv)
+        assert {c for c in gemv if c.reduce_late} == {dataclasses.replace(c, reduce_late=True) for c in gemv
+                                                      if not c.reduce_late}      # each tile shape both ways
     assert not any(c.gemv for c in candidate_configs(5, 4096, 4096, 132))
     with pytest.raises(ValueError):
         SkinnyConfig(gemv=True, fp8_dot=True)
+    with pytest.raises(ValueError):
+        SkinnyConfig(reduce_late=True)
     assert fill_split(64, 4096, 128, 132) == 8         # 64 tiles -> 512 programs >= 2 per SM
     assert fill_split(448, 4096, 128, 132) == 1        # gate_up already fills the GPU
     assert fill_split(8, 512, 128, 132) == 2           # short K: at least 2 K tiles per split
