@@ -200,8 +200,9 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
             "lends_refused": after.lend_refused - before.lend_refused,
             "budget_final": after.max_num_batched_tokens, "budget_median": statistics.median(budgets or [0]),
             "elastic_final": after.elastic_mode, "granted_final": after.reserve_granted_blocks,
-            "decisions": decisions, "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores")}
-            if policy == "auto" else None, "wall_s": round(wall, 1)}
+            "decisions": decisions,
+            "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores", "loads")} if policy == "auto"
+            else None, "wall_s": round(wall, 1)}
 
 
 def build_engine(args) -> LLMEngine:
