@@ -64,9 +64,11 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
                device_index: int | None = None) -> None:
     """A rank's whole life: load the shard, size and allocate the KV cache with the others, serve steps."""
     from replicas.model_runner import ModelRunner
+    from replicas.startup_heap import freeze_startup_heap
 
     runner = ModelRunner(config, rank, world_size, init_method, device_index)
     runner.init_kv()
+    freeze_startup_heap()           # a collection's pause here holds every rank at the step's next collective
     runner.serve_forever()
 
 
