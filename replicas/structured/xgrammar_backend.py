@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+import logging
+import statistics
+import time
 from typing import Any, Optional, Sequence
 
 import xgrammar as xgr
@@ -28,12 +31,52 @@ _ANY_OBJECT = json.dumps({"type": "object"})
 _NOT_ENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
                  "dependentRequired", "dependentSchemas", "dependencies")
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
-THREADED_FILL_ROWS = 128        # bitmask rows above which xgrammar's threads fill them
+FILL_TRIALS = 16                # timed fills each way per batch-size bucket before the faster way is kept
 # keywords whose value is a schema, a list of schemas, or a map of names to schemas
 _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "propertyNames", "unevaluatedItems",
               "unevaluatedProperties")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+log = logging.getLogger(__name__)
+
+
+class FillThreading:
+    """Whether xgrammar's thread pool or the calling thread fills a step's bitmask rows, per batch size (buckets of
+    powers of two), by timing on the live traffic: a bucket's first fills alternate between the two ways,
+    FILL_TRIALS each, then the one with the lower median is kept. Handing rows to the pool costs a wake-up and a
+    join, a row a microsecond or two, so which wins depends on the rows and on the machine's cores. Both ways write
+    the same bitmask. With one thread there is nothing to choose."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.chosen: dict[int, bool] = {}                           # bucket -> threaded
+        self._trials: dict[int, tuple[list[float], list[float]]] = {}  # bucket -> (calling thread, pool) seconds
+
+    def next(self, rows: int) -> bool:
+        """Whether the pool fills this batch of `rows`."""
+        if self.threads <= 1:
+            return False
+        bucket = rows.bit_length()
+        chosen = self.chosen.get(bucket)
+        if chosen is not None:
+            return chosen
+        alone, pooled = self._trials.setdefault(bucket, ([], []))
+        return len(pooled) < len(alone)
+
+    def record(self, rows: int, threaded: bool, seconds: float) -> None:
+        bucket = rows.bit_length()
+        if self.threads <= 1 or bucket in self.chosen:
+            return
+        alone, pooled = self._trials[bucket]
+        (pooled if threaded else alone).append(seconds)
+        if len(pooled) >= FILL_TRIALS and len(alone) >= FILL_TRIALS:
+            self.chosen[bucket] = statistics.median(pooled) < statistics.median(alone)
+            log.info("grammar bitmask fills of %d-%d rows: %s (median %.1f us on the calling thread, %.1f us on %d "
+                     "threads)", 1 << (bucket - 1), (1 << bucket) - 1,
+                     "thread pool" if self.chosen[bucket] else "calling thread", 1e6 * statistics.median(alone),
+                     1e6 * statistics.median(pooled), self.threads)
 
 
 def vocab_type(backend_json: dict) -> tuple[xgr.VocabType, bool]:
@@ -63,10 +106,9 @@ class XGrammarBackend:
                                  add_prefix_space=prefix)
         # The engine keeps its own cache (replicas/structured/cache.py): xgrammar's would hold a second copy.
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-        # Handing rows to xgrammar's threads costs more than filling them (a row takes about a microsecond in
-        # the common states) until the batch is large: small batches are filled on the calling thread.
         self.batch = xgr.BatchGrammarMatcher(threads)
         self.batch_one = xgr.BatchGrammarMatcher(1)
+        self.fill_threading = FillThreading(threads)
 
     def compile(self, spec: GrammarSpec) -> Any:
         for schema in [spec.schema] if spec.kind == "json_schema" else [p for _, p in spec.tools]:
@@ -97,8 +139,11 @@ class XGrammarBackend:
         return xgr.GrammarMatcher(compiled)
 
     def fill_bitmask(self, matchers: Sequence[Any], bitmask: Tensor, rows: Optional[Sequence[int]] = None) -> None:
-        batch = self.batch if len(matchers) > THREADED_FILL_ROWS else self.batch_one
-        batch.batch_fill_next_token_bitmask(list(matchers), bitmask, None if rows is None else list(rows))
+        threaded = self.fill_threading.next(len(matchers))
+        start = time.perf_counter()
+        (self.batch if threaded else self.batch_one).batch_fill_next_token_bitmask(
+            list(matchers), bitmask, None if rows is None else list(rows))
+        self.fill_threading.record(len(matchers), threaded, time.perf_counter() - start)
 
     def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
         # One call per matcher: xgrammar's batched accept builds its result through a per-element array lookup,
