@@ -36,7 +36,9 @@ first token and before the last request was sent, so neither the burst of first 
 A request that fails (an HTTP error, an error event, an incomplete stream) is counted in `failed`, not measured.
 The loaded run also records the engine's counters meanwhile (`engine`: tokens per step, ms per step, steps
 that ran a prefill; direct: `AsyncLLMEngine.stats()`, Serve: GET /stats): a slower path either left the engine
-fewer requests to batch or made its steps slower.
+fewer requests to batch or made its steps slower. On a Serve path it also records the CPU seconds the server's
+processes spent on it by role (`server_cpu_s`: replica, its engine core, the front door) and per chunk streamed
+(`server_cpu_us_per_chunk`; `chunks`: the chunks that carried tokens): what the stream-item budget is set against.
 JSON keys ending in _c64 / _64 hold the --concurrency level (64 by default; `concurrency` records it).
 Targets: added median TTFT <= 5 ms, Serve/direct output throughput >= 0.90 at 64 streams.
 --streaming: the direct engine and the front door only, --concurrency 256 by default; writes the `streaming`
@@ -149,7 +151,8 @@ def summarize(streams: list[Stream], seconds: float, cpu_seconds: float, concurr
     tpots = [request_tpot(s.chunks[-1] - s.start, s.ttft_s, s.tokens) for s in ok]
     gaps = [b - a for s in ok for a, b in zip(s.chunks, s.chunks[1:])]
     return {"concurrency": concurrency, "num_requests": len(streams), "failed": len(errors),
-            "errors": errors[:MAX_ERRORS_KEPT], "output_tokens": tokens, "seconds": seconds,
+            "errors": errors[:MAX_ERRORS_KEPT], "output_tokens": tokens, "chunks": sum(len(s.chunks) for s in ok),
+            "seconds": seconds,
             "output_tok_s": tokens / seconds, "ttft_ms": asdict(Summary.of_seconds([s.ttft_s for s in ok])),
             "tpot_ms": asdict(Summary.of_seconds([t for t in tpots if t is not None])),
             "itl_ms": asdict(Summary.of_seconds(gaps)),
@@ -171,18 +174,54 @@ def steady_gaps(streams: list[Stream], concurrency: int) -> list[float]:
 Counters = Callable[[], Awaitable[tuple[int, int, int]]]
 
 
-async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload, counters: Counters) -> dict:
+async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload, counters: Counters,
+                  cpu: Optional[Callable[[], Optional[dict[str, float]]]] = None) -> dict:
     """The three sets; the loaded run also records the engine's steps and generated tokens meanwhile (its mean
-    batch and step time: whether a slower path starved the engine of requests or slowed its steps)."""
+    batch and step time: whether a slower path starved the engine of requests or slowed its steps), and with
+    `cpu` (CPU seconds so far per server role) what each role spent on it, in all and per streamed chunk."""
     await closed_loop(send, work.warmup, max(1, len(work.warmup)))
     idle = summarize(*await closed_loop(send, work.idle, 1), concurrency=1)
     steps0, prefills0, tokens0 = await counters()
+    cpu0 = cpu() if cpu is not None else None
     loaded = summarize(*await closed_loop(send, work.loaded, work.concurrency), concurrency=work.concurrency)
+    cpu1 = cpu() if cpu0 is not None else None
     steps1, prefills1, tokens1 = await counters()
     steps = max(1, steps1 - steps0)
     loaded["engine"] = {"steps": steps1 - steps0, "prefill_steps": prefills1 - prefills0,
                         "mean_tokens_per_step": (tokens1 - tokens0) / steps, "step_ms": 1e3 * loaded["seconds"] / steps}
+    if cpu0 is not None and cpu1 is not None:
+        spent = {role: cpu1[role] - cpu0[role] for role in cpu0}
+        loaded["server_cpu_s"] = spent
+        loaded["server_cpu_us_per_chunk"] = {role: 1e6 * v / max(1, loaded["chunks"]) for role, v in spent.items()}
     return {"idle": idle, "loaded": loaded}
+
+
+def server_cpu_seconds(root_pid: int) -> Optional[dict[str, float]]:
+    """CPU seconds so far of the server's processes (descendants of `root_pid`) by role: `replica` (Ray's
+    ServeReplica workers), `engine_core` (their children: the engine core, multiprocessing's helpers) and
+    `front_door` (HAProxy, or Serve's proxy actor). None without psutil (Ray's own copy counts once ray is
+    imported)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    out = {"replica": 0.0, "engine_core": 0.0, "front_door": 0.0}
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            command, parent = " ".join(proc.cmdline()), proc.parent()
+            if "ServeReplica" in command:
+                role = "replica"
+            elif "haproxy" in proc.name() or "ProxyActor" in command:
+                role = "front_door"
+            elif parent is not None and "ServeReplica" in " ".join(parent.cmdline()):
+                role = "engine_core"
+            else:
+                continue
+            times = proc.cpu_times()
+            out[role] += times.user + times.system
+        except psutil.Error:
+            continue
+    return out
 
 
 # ---- the direct path --------------------------------------------------------------------------
@@ -210,7 +249,7 @@ async def measure_direct(engine: AsyncLLMEngine, work: Workload) -> dict:
 
 # ---- the Serve path ---------------------------------------------------------------------------
 
-async def measure_serve(base_url: str, model_id: str, work: Workload) -> dict:
+async def measure_serve(base_url: str, model_id: str, work: Workload, server_pid: Optional[int] = None) -> dict:
     url = f"{base_url}/v1/completions"
     headers = {"Content-Type": "application/json"}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -240,7 +279,8 @@ async def measure_serve(base_url: str, model_id: str, work: Workload) -> dict:
                 stats = [r["stats"] for r in (await resp.json())["data"]]
             return tuple(sum(s[k] for s in stats) for k in ("num_steps", "prefill_steps", "generation_tokens"))
 
-        return await measure(send, work, counters)
+        return await measure(send, work, counters,
+                             (lambda: server_cpu_seconds(server_pid)) if server_pid is not None else None)
 
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -361,10 +401,11 @@ def run(args: argparse.Namespace) -> dict:
             # get the same ones (separate engines), the replica port fresh ones (the server's engine saw those).
             # The order rotates, so no path always runs first.
             same, fresh = make_workload(args, vocab, seed_offset=2 * r), make_workload(args, vocab, 2 * r + 1)
+            pid = server.process.pid
             paths = [("direct", lambda w: measure_direct(engine, w), same),
-                     ("front_door", lambda w: measure_serve(server.url, model_id, w), same)]
+                     ("front_door", lambda w: measure_serve(server.url, model_id, w, pid), same)]
             if replica_url is not None and not args.streaming:
-                paths.append(("replica", lambda w: measure_serve(replica_url, model_id, w), fresh))
+                paths.append(("replica", lambda w: measure_serve(replica_url, model_id, w, pid), fresh))
             for path, measure_path, load in paths[r % len(paths):] + paths[:r % len(paths)]:
                 runs[path].append(asyncio.run(measure_path(load)))
                 progress(f"{path} run {r + 1}", runs[path][-1])

@@ -41,6 +41,13 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
     assert res["direct_runs"] == [res["direct"]] and res["serve_runs"] == [res["serve"]]
     engine = res["serve"]["loaded"]["engine"]
     assert engine["steps"] >= 4 and 0 < engine["prefill_steps"] <= engine["steps"]
+    # the server's CPU during the loaded run, by role: the replica and its engine core both worked
+    loaded = res["serve"]["loaded"]
+    assert set(loaded["server_cpu_s"]) == {"replica", "engine_core", "front_door"}
+    assert loaded["server_cpu_s"]["replica"] > 0 and loaded["server_cpu_s"]["engine_core"] > 0
+    assert 4 <= loaded["chunks"] <= 4 * 4 and loaded["server_cpu_us_per_chunk"]["replica"] == \
+        1e6 * loaded["server_cpu_s"]["replica"] / loaded["chunks"]
+    assert "server_cpu_s" not in res["direct"]["loaded"]
     for level, requests in (("idle", 2), ("loaded", 4)):
         direct, serve = res["direct"][level], res["serve"][level]
         assert direct["num_requests"] == serve["num_requests"] == requests
