@@ -355,7 +355,7 @@ class LLMEngine:
             if req is None or seq.is_finished:
                 continue                # failed earlier in this step, or (async) ended with the step before
             try:
-                self._append_token(seq, tokens[row], out, row, now)
+                self._append_token(req, seq, tokens[row], out, row, now)
             except Exception as e:  # noqa: BLE001 - this request's own failure (detokenizer, stop check)
                 self._fail_own(seq.request_id, e)
                 continue
@@ -470,13 +470,14 @@ class LLMEngine:
                 row += 1
         return plain, spec
 
-    def _append_token(self, seq: Sequence, token: int, out, row: int, now: float) -> None:
+    def _append_token(self, req: Request, seq: Sequence, token: int, out, row: int, now: float) -> None:
         seq.token_ids.append(token)
-        self.stats.generation_tokens += 1
+        stats = self.stats
+        stats.generation_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
             if seq.index == 0:
-                self.stats.prompt_tokens += seq.num_prompt_tokens
+                stats.prompt_tokens += seq.num_prompt_tokens
         else:
             seq.inter_token_latencies.append(now - seq.last_token_time)
         seq.last_token_time = now
@@ -484,18 +485,16 @@ class LLMEngine:
         if p.logprobs is not None:
             seq.logprobs.append(self._logprob_entry(token, out, row, p.logprobs))
             seq.cumulative_logprob += seq.logprobs[-1][token].logprob
-        req = self.requests[seq.request_id]
         idx = seq.index
-        detok = req.detokenizers[idx]
         stop_reason, reason = None, None
         is_eos = token in self.eos_token_ids and not p.ignore_eos
         is_stop_id = token in p.stop_token_ids
         if (is_eos or is_stop_id) and seq.num_output_tokens > p.min_tokens - 1:
             reason, stop_reason = "stop", (token if is_stop_id and not is_eos else None)
             if p.include_stop_str_in_output and is_stop_id:
-                req.text_parts[idx].append(detok.update([token])[0])
+                req.text_parts[idx].append(req.detokenizers[idx].update([token])[0])
         elif p.detokenize:
-            delta, matched = detok.update([token])
+            delta, matched = req.detokenizers[idx].update([token])
             req.text_parts[idx].append(delta)
             if matched is not None:
                 reason, stop_reason = "stop", matched
@@ -503,7 +502,7 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if p.detokenize and not isinstance(stop_reason, str):
-                req.text_parts[idx].append(detok.flush())
+                req.text_parts[idx].append(req.detokenizers[idx].flush())
             self.scheduler.finish(seq, reason, stop_reason)
 
     def _apply_verified(self, seqs: list[Sequence], v: VerifiedRound, aux: list, first_rows: list[int],
@@ -528,12 +527,13 @@ class LLMEngine:
         kept = np.zeros(len(seqs), dtype=bool)
         num_failed = len(self.failed)
         for b, seq in enumerate(seqs):
-            if seq.request_id not in self.requests:
+            req = self.requests.get(seq.request_id)
+            if req is None:
                 continue                # failed earlier in this step, through another of its sequences
             slots = v.path_slots[b]
             try:
                 for j, token in enumerate(v.tokens[b, :int(v.num_emitted[b])].tolist()):
-                    self._append_token(seq, token, v.sampled, b * v.width + int(slots[j]), now)
+                    self._append_token(req, seq, token, v.sampled, b * v.width + int(slots[j]), now)
                     if seq.is_finished:
                         break
             except Exception as e:  # noqa: BLE001 - this request's own failure (detokenizer, stop check)
