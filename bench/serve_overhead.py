@@ -395,13 +395,12 @@ def run(args: argparse.Namespace) -> dict:
         server = LocalServer(serve_flags(model, args))
         model_id = server.wait_ready(READY_TIMEOUT_S)
         server_front_door = "HAProxy" if "(HAProxy;" in server.log_path.read_text(errors="replace") else "Serve proxy"
-        replica_url = (server.replica_urls() or [None])[0]
+        replica_url, pid = (server.replica_urls() or [None])[0], server.process.pid
         for r in range(args.repeats):
             # Each repeat: new prompts (no prefix-cache hits across repeats); the direct engine and the front door
             # get the same ones (separate engines), the replica port fresh ones (the server's engine saw those).
             # The order rotates, so no path always runs first.
             same, fresh = make_workload(args, vocab, seed_offset=2 * r), make_workload(args, vocab, 2 * r + 1)
-            pid = server.process.pid
             paths = [("direct", lambda w: measure_direct(engine, w), same),
                      ("front_door", lambda w: measure_serve(server.url, model_id, w, pid), same)]
             if replica_url is not None and not args.streaming:

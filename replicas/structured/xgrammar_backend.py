@@ -54,21 +54,20 @@ class FillThreading:
         self.chosen: dict[int, bool] = {}                           # bucket -> threaded
         self._trials: dict[int, tuple[list[float], list[float]]] = {}  # bucket -> (calling thread, pool) seconds
 
-    def next(self, rows: int) -> bool:
-        """Whether the pool fills this batch of `rows`."""
+    def next(self, rows: int) -> tuple[bool, bool]:
+        """(whether the pool fills this batch of `rows`, whether the fill is a trial to time and `record`)."""
         if self.threads <= 1:
-            return False
+            return False, False
         bucket = rows.bit_length()
         chosen = self.chosen.get(bucket)
         if chosen is not None:
-            return chosen
+            return chosen, False
         alone, pooled = self._trials.setdefault(bucket, ([], []))
-        return len(pooled) < len(alone)
+        return len(pooled) < len(alone), True
 
     def record(self, rows: int, threaded: bool, seconds: float) -> None:
+        """A trial fill's time (after `next` said it was one)."""
         bucket = rows.bit_length()
-        if self.threads <= 1 or bucket in self.chosen:
-            return
         alone, pooled = self._trials[bucket]
         (pooled if threaded else alone).append(seconds)
         if len(pooled) >= FILL_TRIALS and len(alone) >= FILL_TRIALS:
@@ -139,11 +138,12 @@ class XGrammarBackend:
         return xgr.GrammarMatcher(compiled)
 
     def fill_bitmask(self, matchers: Sequence[Any], bitmask: Tensor, rows: Optional[Sequence[int]] = None) -> None:
-        threaded = self.fill_threading.next(len(matchers))
-        start = time.perf_counter()
+        threaded, trial = self.fill_threading.next(len(matchers))
+        start = time.perf_counter() if trial else 0.0
         (self.batch if threaded else self.batch_one).batch_fill_next_token_bitmask(
             list(matchers), bitmask, None if rows is None else list(rows))
-        self.fill_threading.record(len(matchers), threaded, time.perf_counter() - start)
+        if trial:
+            self.fill_threading.record(len(matchers), threaded, time.perf_counter() - start)
 
     def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
         # One call per matcher: xgrammar's batched accept builds its result through a per-element array lookup,

@@ -14,18 +14,18 @@ def test_each_bucket_alternates_then_keeps_the_faster_way():
     for rows, pool_s, alone_s in ((64, 1.0, 2.0), (8, 3.0, 2.0)):       # 64 rows: the pool wins; 8: the caller
         ways = []
         for _ in range(2 * FILL_TRIALS):
-            threaded = choice.next(rows)
+            threaded, trial = choice.next(rows)
+            assert trial
             ways.append(threaded)
             choice.record(rows, threaded, pool_s if threaded else alone_s)
         assert ways.count(True) == ways.count(False) == FILL_TRIALS
-        assert all(choice.next(rows) is (pool_s < alone_s) for _ in range(3))
+        assert all(choice.next(rows) == (pool_s < alone_s, False) for _ in range(3))    # settled: no more timing
     assert choice.chosen == {7: True, 4: False}
-    assert choice.next(100) is True and choice.next(12) is False         # same buckets: 64-127, 8-15
-    assert choice.next(2) is False and 2 not in choice.chosen            # a new bucket starts on the caller
+    assert choice.next(100) == (True, False) and choice.next(12) == (False, False)    # same buckets: 64-127, 8-15
+    assert choice.next(2) == (False, True) and 2 not in choice.chosen    # a new bucket starts on the caller
     single = FillThreading(threads=1)
     for _ in range(3 * FILL_TRIALS):
-        assert single.next(64) is False
-        single.record(64, False, 1.0)
+        assert single.next(64) == (False, False)                         # nothing to choose, nothing timed
     assert single.chosen == {}
 
 
