@@ -361,7 +361,10 @@ def report(res: dict) -> None:
             print(f"{shape} decode B={p['batch']:<4} ctx={p['ctx']}: {p['step_ms']:.2f} ms, "
                   f"{p['bw_fraction']:.3f} of copy BW, graphs={p['graphs']}")
     for shape, speedups in res.get("fp8_vs_bf16", {}).items():
-        print(f"{shape} fp8 / bf16: " + ", ".join(f"{k} {v:.2f}x" for k, v in speedups.items()))
+        ceiling = speedups.get("byte_ceiling", {})
+        print(f"{shape} fp8 / bf16: " + ", ".join(
+            f"{k} {v:.2f}x" + (f" (byte ceiling {ceiling[k]:.2f}x)" if k in ceiling else "")
+            for k, v in speedups.items() if k != "byte_ceiling"))
     if "fp8_perplexity" in res:
         p = res["fp8_perplexity"]
         print(f"SmolLM2 perplexity ({p['tokens']} tokens): bf16 {p['bf16']:.4f}, fp8 {p['fp8']:.4f} "
