@@ -15,6 +15,14 @@ from replicas.sampling_params import SamplingParams
 from replicas.structured.bitmask import TokenMask, allowed_tokens, apply_token_bitmask_, pack_allowed
 
 EOS = 2
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: a GPU's, else the interpreter
+
+
+def on(*tensors):
+    """The tensors where the Triton kernels under test run."""
+    return [t.to(KERNEL_DEVICE) for t in tensors]
+
+
 M32 = 0xFFFFFFFF
 
 
@@ -441,7 +449,8 @@ def test_cuda_grammar_bitmask_and_logit_bias_equal_cpu():
 
 
 def test_fused_gumbel_kernel_equals_the_torch_sample():
-    """replicas/kernels/gumbel.py (Triton; on the CPU under TRITON_INTERPRET) picks the token the torch path
+    """replicas/kernels/gumbel.py (Triton; on the GPU where there is one, else on the CPU
+    under TRITON_INTERPRET) picks the token the torch path
     picks from the same scores, seeds and positions (the row key hashed in the kernel): several vocabulary
     blocks, a row of -inf, a row masked past a prefix, a row with NaNs (the first NaN, as torch.argmax), seeds of
     any value; and with the division by temperature done in the kernel."""
@@ -456,15 +465,17 @@ def test_fused_gumbel_kernel_equals_the_torch_sample():
     positions = torch.randint(0, 100_000, (rows,), generator=g)
     noise = gumbel_noise(row_keys(seed_lo, seed_hi, positions), vocab_codes(vocab, "cpu"))
     want = first_max_index(noise + scores)
-    got = gumbel_argmax(scores, seed_lo, seed_hi, positions, _SALTS)
+    got = gumbel_argmax(*on(scores, seed_lo, seed_hi, positions), _SALTS).cpu()
     assert torch.equal(got, want) and got[3] == 0 and got[5] == 17 and got[4] < 100
     temperature = torch.rand(rows, generator=g) * 2 + 0.05
     want = first_max_index(noise + scores / temperature.unsqueeze(1))
-    assert torch.equal(gumbel_argmax(scores, seed_lo, seed_hi, positions, _SALTS, temperature), want)
+    got = gumbel_argmax(*on(scores, seed_lo, seed_hi, positions), _SALTS, temperature.to(KERNEL_DEVICE)).cpu()
+    assert torch.equal(got, want)
 
 
 def test_fused_token_bitmask_kernel_equals_the_torch_ops():
-    """replicas/kernels/token_bitmask.py (Triton; on the CPU under TRITON_INTERPRET) masks exactly what the torch
+    """replicas/kernels/token_bitmask.py (Triton; on the GPU where there is one, else on the CPU
+    under TRITON_INTERPRET) masks exactly what the torch
     path masks: several column blocks, a vocabulary not a multiple of 32, words with bit 31 set (negative int32),
     rows given by index (the others untouched) and the leading form."""
     from replicas.kernels.token_bitmask import BLOCK, apply_token_bitmask_kernel_
@@ -479,9 +490,9 @@ def test_fused_token_bitmask_kernel_equals_the_torch_ops():
     assert (bitmask < 0).any()
     picked = torch.tensor([1, 4, 6])
     want = apply_token_bitmask_(logits.clone(), TokenMask(picked, bitmask))
-    assert torch.equal(apply_token_bitmask_kernel_(logits.clone(), bitmask, picked), want)
+    assert torch.equal(apply_token_bitmask_kernel_(*on(logits, bitmask, picked)).cpu(), want)
     want = apply_token_bitmask_(logits.clone(), TokenMask(None, bitmask, leading=True))
-    assert torch.equal(apply_token_bitmask_kernel_(logits.clone(), bitmask, None), want)
+    assert torch.equal(apply_token_bitmask_kernel_(*on(logits, bitmask), None).cpu(), want)
 
 
 @pytest.mark.gpu
