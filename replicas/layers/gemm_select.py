@@ -89,9 +89,9 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
     32-128 columns, each with split_k = 1 and with the split that fills the GPU. A one-byte (FP8) weight takes
     K tiles twice as long, so each weight tile moves as many bytes as a bf16 one, and each tile shape is tried both
     weight-only and on FP8 tensor cores. Batches of at most MAX_GEMV_M rows also try CUDA-core products, each tile
-    shape reduced across lanes per K tile and once at the end (`reduce_late`); their K tiles too are twice as long
-    for a one-byte weight (a gemv program holds only one K tile's loads in flight, so a shorter tile would halve
-    the bytes the whole grid has in flight)."""
+    shape reduced across lanes per K tile and once at the end (`reduce_late`); a one-byte weight also tries them
+    with K tiles twice as long (a gemv program holds one K tile's loads in flight, so at bf16's tile length the
+    grid has half the bytes in flight; the longer tile costs registers)."""
     out: list[SkinnyConfig] = []
     for bm in _block_ms(m):
         warps = 4 if bm <= 64 else 8
@@ -108,11 +108,12 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
     if m <= MAX_GEMV_M:
         bm = 1 << (m - 1).bit_length()
         for bn in (8, 16, 32):
-            bk = min(1024, GEMV_TILE_ELEMS // (bm * bn)) * (2 if weight_bytes == 1 else 1)
+            base_k = min(1024, GEMV_TILE_ELEMS // (bm * bn))
             tiles = -(-n // bn)
-            for split in sorted({1, fill_split(tiles, k, bk, num_sms)}):
-                out.append(SkinnyConfig(bm, bn, bk, split, 4, 3, gemv=True))
-                out.append(SkinnyConfig(bm, bn, bk, split, 4, 3, gemv=True, reduce_late=True))
+            for bk in (base_k, 2 * base_k) if weight_bytes == 1 else (base_k,):
+                for split in sorted({1, fill_split(tiles, k, bk, num_sms)}):
+                    out.append(SkinnyConfig(bm, bn, bk, split, 4, 3, gemv=True))
+                    out.append(SkinnyConfig(bm, bn, bk, split, 4, 3, gemv=True, reduce_late=True))
     return out
 
 
