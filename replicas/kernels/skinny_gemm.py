@@ -22,7 +22,11 @@ by the selection (`fp8_dot`):
   x[m, k] * q[n, k]);
 - FP8 tensor cores: each x tile is quantized to E4M3 in registers with one scale per row of the tile, and the
   tile product of the two FP8 operands is scaled by it before it is added. The scales are finer than the library
-  path's one per token, and no separate activation kernel runs in front of the GEMM.
+  path's one per token, and no separate activation kernel runs in front of the GEMM;
+- FP8 tensor cores on activations quantized once per token in front of the GEMM (`token_scales`: the library
+  path's numerics, y[m, n] = xs[m] * scale[n] * sum_k xq[m, k] * q[n, k]): an x tile takes one byte an element in
+  shared memory instead of two, so more pipeline stages of weight fit, and the K loop does no quantizing. The
+  caller quantizes (replicas/layers/fp8_linear.py) and passes x in FP8 with its row scales.
 """
 from __future__ import annotations
 
@@ -46,16 +50,20 @@ class SkinnyConfig:
     fp8_dot: bool = False          # FP8 weights only: FP8 x FP8 tile products (module docstring)
     gemv: bool = False             # products on CUDA cores, no tensor-core tile: block_m may be 1, 2 or 4
     reduce_late: bool = False      # gemv only: sum across lanes once after the K loop (module docstring)
+    token_scales: bool = False     # fp8_dot only: x comes quantized per token, with its row scales
 
     def __post_init__(self):
         if self.gemv and self.fp8_dot:
             raise ValueError("a skinny config multiplies on CUDA cores (gemv) or on FP8 tensor cores, not both")
         if self.reduce_late and not self.gemv:
             raise ValueError("reduce_late applies to CUDA-core products (gemv) only")
+        if self.token_scales and not self.fp8_dot:
+            raise ValueError("token_scales applies to FP8 tensor-core products (fp8_dot) only")
 
     def __str__(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
-                f"{'d8' if self.fp8_dot else ''}{'v' if self.gemv else ''}{'r' if self.reduce_late else ''}")
+                f"{'d8' if self.fp8_dot else ''}{'t' if self.token_scales else ''}{'v' if self.gemv else ''}"
+                f"{'r' if self.reduce_late else ''}")
 
 
 def split_k_range(k: int, cfg: SkinnyConfig) -> int:
@@ -65,11 +73,12 @@ def split_k_range(k: int, cfg: SkinnyConfig) -> int:
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr,
+    x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, y_ptr, ws_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-    FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, GEMV: tl.constexpr, REDUCE_LATE: tl.constexpr,
+    FP8_DOT: tl.constexpr, FP8_MAX: tl.constexpr, TOKEN_SCALES: tl.constexpr, GEMV: tl.constexpr,
+    REDUCE_LATE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -102,6 +111,8 @@ def _skinny_gemm_kernel(
             lanes += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         elif GEMV:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif TOKEN_SCALES:
+            acc = tl.dot(x, tl.trans(w), acc)
         elif FP8_DOT:
             xf = x.to(tl.float32)
             xs = tl.maximum(tl.max(tl.abs(xf), axis=1) / FP8_MAX, 1e-12)
@@ -118,6 +129,8 @@ def _skinny_gemm_kernel(
 
     if HAS_SCALE:                                   # per output column: commutes with the split-K sum
         acc *= tl.load(s_ptr + cols_in)[None, :]
+    if TOKEN_SCALES:                                # per row, likewise
+        acc *= tl.load(xs_ptr + rows_in)[:, None]
     out_mask = (rows < M)[:, None] & (cols < N)[None, :]
     if SPLIT:
         ws = ws_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
@@ -143,19 +156,22 @@ def _split_k_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, SPLIT_K: tl.constexpr, HA
 
 
 def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: SkinnyConfig = SkinnyConfig(),
-                scale: Optional[Tensor] = None) -> Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in x's dtype, accumulated in fp32. With `scale`
-    (float32 [N]) the weight is FP8 and row n stands for scale[n] * weight[n]."""
+                scale: Optional[Tensor] = None, x_scale: Optional[Tensor] = None,
+                out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias[N]) -> [..., N] in `out_dtype` (default x's), accumulated in fp32. With
+    `scale` (float32 [N]) the weight is FP8 and row n stands for scale[n] * weight[n]; with `x_scale` (float32, one
+    per row of x; `cfg.token_scales`) x is FP8 too and its row m stands for x_scale[m] * x[m]."""
     *lead, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.stride(1) == 1
     assert x.dtype == weight.dtype if scale is None else (scale.shape == (n,) and scale.dtype == torch.float32)
     assert scale is not None or not cfg.fp8_dot
+    assert (x_scale is not None) == cfg.token_scales and (x_scale is None or x.dtype == weight.dtype)
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.view(*lead, n)
     if k == 0:
@@ -167,11 +183,13 @@ def skinny_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, cfg: S
     b = bias if bias is not None else y
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _skinny_gemm_kernel[grid](
-        x2, weight, y if scale is None else scale, b, y, ws, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+        x2, weight, y if scale is None else scale, y if x_scale is None else x_scale, b, y, ws, m, n, k,
+        x2.stride(0), weight.stride(0), y.stride(0),
         k_per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT=split, EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        FP8_DOT=cfg.fp8_dot, FP8_MAX=torch.finfo(weight.dtype).max if cfg.fp8_dot else 0.0, GEMV=cfg.gemv,
-        REDUCE_LATE=cfg.reduce_late, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        FP8_DOT=cfg.fp8_dot, FP8_MAX=torch.finfo(weight.dtype).max if cfg.fp8_dot else 0.0,
+        TOKEN_SCALES=cfg.token_scales, GEMV=cfg.gemv, REDUCE_LATE=cfg.reduce_late,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:

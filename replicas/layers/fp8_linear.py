@@ -10,7 +10,8 @@ dtype:
     y[m, n] = xs[m] * scale[n] * sum_k xq[m, k] * q[n, k]
 
 On the GPU one Triton kernel quantizes the activations (replicas/kernels/fp8_quant.py), and a decode batch runs
-the FP8 skinny GEMM instead (replicas/kernels/skinny_gemm.py: weight-only or on FP8 tensor cores) where start-up
+the FP8 skinny GEMM instead (`Fp8Weight.skinny`, replicas/kernels/skinny_gemm.py: weight-only, or on FP8 tensor
+cores with the activations quantized per tile inside the GEMM or per token in front of it) where start-up
 timing picked it for the layer's shape (replicas/layers/gemm_select.py). Decode reads the weight at one byte per
 element, half of bf16's. `torch._scaled_mm` wants K and N multiples of 16 (`fits`); a layer that is not stays in
 its float dtype. The LM head, embeddings and norms are not linear layers here and stay as they are. Calibrated
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from replicas.kernels.fp8_quant import quantize_rows_fp8
+from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -36,6 +38,14 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (t.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
     q = (t / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows ([..., K] -> [R, K]) quantized per token by the `quantize_rows` rule: one kernel on the GPU."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.is_cuda and rows.stride(-1) == 1:
+        return quantize_rows_fp8(rows, FP8_MAX, MIN_SCALE, FP8)
+    return quantize_rows(rows)
 
 
 def fits(out_features: int, in_features: int) -> bool:
@@ -94,11 +104,15 @@ class Fp8Weight(nn.Module):
         return self.q.float() * self.scale.unsqueeze(1)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.is_cuda and rows.stride(-1) == 1:
-            xq, xs = quantize_rows_fp8(rows, FP8_MAX, MIN_SCALE, FP8)
-        else:
-            xq, xs = quantize_rows(rows)
+        xq, xs = quantize_activations(x)
         y = torch._scaled_mm(xq, self.q.t(), scale_a=xs.unsqueeze(1), scale_b=self.scale.unsqueeze(0),
                              out_dtype=x.dtype, bias=None if bias is None else bias.to(x.dtype))
         return y.view(*x.shape[:-1], -1)
+
+    def skinny(self, x: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
+        """The product through the FP8 skinny GEMM with `cfg`, quantizing x per token first where the config
+        multiplies FP8 activations (`token_scales`)."""
+        if not cfg.token_scales:
+            return skinny_gemm(x, self.q, bias, cfg, self.scale)
+        xq, xs = quantize_activations(x)
+        return skinny_gemm(xq, self.q, bias, cfg, self.scale, xs, x.dtype).view(*x.shape[:-1], -1)

@@ -79,16 +79,17 @@ def fill_split(tiles: int, k: int, block_k: int, num_sms: int, max_split: int = 
     return split
 
 
-def pipeline_stages(bm: int, bn: int, bk: int, smem_bytes: int, weight_bytes: int = 2) -> int:
-    """As many stages of x (2 bytes an element) and W (`weight_bytes`) tiles as fit in `smem_bytes` (2 to 6)."""
-    return max(2, min(6, smem_bytes // ((2 * bm + weight_bytes * bn) * bk)))
+def pipeline_stages(bm: int, bn: int, bk: int, smem_bytes: int, weight_bytes: int = 2, x_bytes: int = 2) -> int:
+    """As many stages of x (`x_bytes` an element) and W (`weight_bytes`) tiles as fit in `smem_bytes` (2 to 6)."""
+    return max(2, min(6, smem_bytes // ((x_bytes * bm + weight_bytes * bn) * bk)))
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 2) -> list[SkinnyConfig]:
     """A handful of skinny configs worth timing for one (M, N, K): M tile holding the batch, N tiles of
     32-128 columns, each with split_k = 1 and with the split that fills the GPU. A one-byte (FP8) weight takes
-    K tiles twice as long, so each weight tile moves as many bytes as a bf16 one, and each tile shape is tried both
-    weight-only and on FP8 tensor cores. Batches of at most MAX_GEMV_M rows also try CUDA-core products, each tile
+    K tiles twice as long, so each weight tile moves as many bytes as a bf16 one, and each tile shape is tried
+    weight-only, on FP8 tensor cores, and on FP8 tensor cores with the activations quantized per token in front
+    (their x tiles one byte an element, so more stages fit). Batches of at most MAX_GEMV_M rows also try CUDA-core products, each tile
     shape reduced across lanes per K tile and once at the end (`reduce_late`); a one-byte weight also tries them
     with K tiles twice as long (a gemv program holds one K tile's loads in flight, so at bf16's tile length the
     grid has half the bytes in flight; the longer tile costs registers)."""
@@ -105,6 +106,8 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
                 out.append(SkinnyConfig(bm, bn, bk, split, warps, stages))
                 if weight_bytes == 1 and bm <= 128:        # FP8 tensor cores too (kernels/skinny_gemm.py)
                     out.append(SkinnyConfig(bm, bn, bk, split, warps, stages, fp8_dot=True))
+                    out.append(SkinnyConfig(bm, bn, bk, split, warps, pipeline_stages(bm, bn, bk, SMEM_BUDGET, 1, 1),
+                                            fp8_dot=True, token_scales=True))
     if m <= MAX_GEMV_M:
         bm = 1 << (m - 1).bit_length()
         for bn in (8, 16, 32):
@@ -197,7 +200,7 @@ class GraphTimer:
         x, weights = self._inputs[(m, k)], self.weights(n, k)
         if self.fp8:
             call = ((lambda w: w.linear(x, None)) if cfg is None
-                    else (lambda w: skinny_gemm(x, w.q, None, cfg, w.scale)))
+                    else (lambda w: w.skinny(x, None, cfg)))
         else:
             call = (lambda w: F.linear(x, w)) if cfg is None else (lambda w: skinny_gemm(x, w, None, cfg))
         calls = [weights[i % len(weights)] for i in range(max(self.calls_per_graph, len(weights)))]

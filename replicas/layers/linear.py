@@ -71,7 +71,7 @@ class LinearBase(nn.Module):
             return weight.linear(x, bias)
         cfg = self.skinny.get(x.shape[0]) if x.dim() == 2 else None
         if isinstance(weight, Fp8Weight):
-            return weight.linear(x, bias) if cfg is None else skinny_gemm(x, weight.q, bias, cfg, weight.scale)
+            return weight.linear(x, bias) if cfg is None else weight.skinny(x, bias, cfg)
         if cfg is None:
             return F.linear(x, weight, bias)
         return skinny_gemm(x, weight, bias, cfg)

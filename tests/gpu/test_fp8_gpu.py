@@ -9,7 +9,7 @@ import torch
 
 from replicas import LLM, SamplingParams
 from replicas.kernels.fp8_quant import quantize_rows_fp8
-from replicas.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+from replicas.kernels.skinny_gemm import SkinnyConfig
 from replicas.layers.fp8_linear import FP8, FP8_MAX, MIN_SCALE, Fp8Weight, quantize_rows
 from replicas.layers.gemm_select import candidate_configs
 
@@ -56,7 +56,7 @@ def test_fp8_skinny_gemm_equals_the_product_with_the_dequantized_weight(m, n, k)
     bias = torch.randn(n, generator=gen, device="cuda").bfloat16()
     want = x.float() @ weight.dequantize().T + bias.float()
     for cfg in FP8_CONFIGS:
-        y = skinny_gemm(x, weight.q, bias, cfg, weight.scale)
+        y = weight.skinny(x, bias, cfg)
         assert y.dtype == torch.bfloat16
         if cfg.fp8_dot:        # x tiles in E4M3 too: close to the product, as the library path is
             assert (y.float() - want).norm() / want.norm() < 0.05, cfg

@@ -92,6 +92,25 @@ def test_skinny_gemm_reads_an_fp8_weight_with_its_row_scales(split, fp8_dot, gem
         torch.testing.assert_close(y, want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_fp8_token_scales_equal_the_library_products_numerics(split):
+    """`token_scales`: x quantized per token in front (Fp8Weight.skinny), FP8 tile products, both sides' scales
+    after the K loop: y = xs[m] * scale[n] * sum_k xq[m, k] * q[n, k], what `torch._scaled_mm` computes, in x's
+    dtype; a leading batch shape and the bias kept."""
+    from replicas.layers.fp8_linear import Fp8Weight, quantize_rows
+    gen = torch.Generator().manual_seed(10 + split)
+    x = torch.randn(2, 3, 200, generator=gen).to(DEVICE)
+    weight = Fp8Weight(*quantize_rows(torch.randn(40, 200, generator=gen))).to(DEVICE)
+    bias = torch.randn(40, generator=gen).to(DEVICE)
+    y = weight.skinny(x, bias, SkinnyConfig(16, 16, 32, split, 4, 2, fp8_dot=True, token_scales=True))
+    xq, xs = quantize_rows(x.reshape(6, 200))
+    want = (xs[:, None] * (xq.float() @ weight.q.float().T) * weight.scale[None, :] + bias).reshape(2, 3, 40)
+    assert y.shape == (2, 3, 40) and y.dtype == x.dtype
+    torch.testing.assert_close(y, want, **TOL[torch.float32])
+    with pytest.raises(ValueError):
+        SkinnyConfig(token_scales=True)
+
+
 # ---- selection -------------------------------------------------------------------------------------------------
 
 def test_candidates_fit_the_tile_limits_and_fill_split_fills_the_gpu():
@@ -102,10 +121,16 @@ def test_candidates_fit_the_tile_limits_and_fill_split_fills_the_gpu():
             assert c.block_m >= min(m, 16) and c.block_m * c.block_n <= gemm_select.MAX_ACC_ELEMS
             assert (c.block_m + c.block_n) * c.block_k * 2 * c.num_stages <= gemm_select.SMEM_BUDGET
         assert any(c.split_k == 1 for c in cands) and any(c.split_k > 1 for c in cands)
-    fp8 = candidate_configs(16, 4096, 4096, 132, weight_bytes=1)       # FP8: K tiles of as many bytes, both ways
+    fp8 = candidate_configs(16, 4096, 4096, 132, weight_bytes=1)       # FP8: K tiles of as many bytes, three ways
     for c in fp8:
-        assert c.block_k == 256 and (2 * c.block_m + c.block_n) * c.block_k * c.num_stages <= gemm_select.SMEM_BUDGET
-    assert {c for c in fp8 if c.fp8_dot} == {dataclasses.replace(c, fp8_dot=True) for c in fp8 if not c.fp8_dot}
+        x_bytes = 1 if c.token_scales else 2
+        assert c.block_k == 256
+        assert (x_bytes * c.block_m + c.block_n) * c.block_k * c.num_stages <= gemm_select.SMEM_BUDGET
+    weight_only = {(c.block_m, c.block_n, c.split_k) for c in fp8 if not c.fp8_dot}
+    assert {(c.block_m, c.block_n, c.split_k) for c in fp8 if c.fp8_dot and not c.token_scales} == weight_only
+    assert {(c.block_m, c.block_n, c.split_k) for c in fp8 if c.token_scales} == weight_only
+    assert any(c.token_scales and c.num_stages > d.num_stages for c in fp8 for d in fp8
+               if d.fp8_dot and not d.token_scales and d.block_n == c.block_n)     # one-byte x: more stages
     assert not any(c.fp8_dot for c in candidate_configs(16, 4096, 4096, 132))
     for m in (1, 3, 4):                                     # a few rows: CUDA-core products too, one M tile
         gemv = [c for c in candidate_configs(m, 4096, 4096, 132) if c.gemv]
@@ -195,7 +220,7 @@ def test_linear_layers_dispatch_on_the_bucket(monkeypatch):
 
 
 def test_fp8_layers_take_the_skinny_gemm_on_their_buckets_and_their_own_matmul_otherwise(monkeypatch):
-    from replicas.layers import linear
+    from replicas.layers import fp8_linear
     from replicas.layers.fp8_linear import FP8
 
     torch.manual_seed(0)
@@ -208,8 +233,8 @@ def test_fp8_layers_take_the_skinny_gemm_on_their_buckets_and_their_own_matmul_o
              for m in gemm_select.skinny_layers(layer)}
     apply_table(layer, table)
     scales = []
-    real = linear.skinny_gemm
-    monkeypatch.setattr(linear, "skinny_gemm", lambda *a: scales.append(a[4]) or real(*a))
+    real = fp8_linear.skinny_gemm
+    monkeypatch.setattr(fp8_linear, "skinny_gemm", lambda *a: scales.append(a[4]) or real(*a))
     x4 = torch.randn(4, 64)
     y4 = layer(x4)
     assert len(scales) == 2 and all(s is not None and s.dtype == torch.float32 for s in scales)
