@@ -89,10 +89,10 @@ def candidate_configs(m: int, n: int, k: int, num_sms: int, weight_bytes: int = 
     32-128 columns, each with split_k = 1 and with the split that fills the GPU. A one-byte (FP8) weight takes
     K tiles twice as long, so each weight tile moves as many bytes as a bf16 one, and each tile shape is tried
     weight-only, on FP8 tensor cores, and on FP8 tensor cores with the activations quantized per token in front
-    (their x tiles one byte an element, so more stages fit). Batches of at most MAX_GEMV_M rows also try CUDA-core products, each tile
-    shape reduced across lanes per K tile and once at the end (`reduce_late`); a one-byte weight also tries them
-    with K tiles twice as long (a gemv program holds one K tile's loads in flight, so at bf16's tile length the
-    grid has half the bytes in flight; the longer tile costs registers)."""
+    (their x tiles one byte an element, so more stages fit). Batches of at most MAX_GEMV_M rows also try CUDA-core
+    products, each tile shape reduced across lanes per K tile and once at the end (`reduce_late`); a one-byte
+    weight also tries them with K tiles twice as long (a gemv program holds one K tile's loads in flight, so at
+    bf16's tile length the grid has half the bytes in flight; the longer tile costs registers)."""
     out: list[SkinnyConfig] = []
     for bm in _block_ms(m):
         warps = 4 if bm <= 64 else 8

@@ -449,11 +449,10 @@ def test_cuda_grammar_bitmask_and_logit_bias_equal_cpu():
 
 
 def test_fused_gumbel_kernel_equals_the_torch_sample():
-    """replicas/kernels/gumbel.py (Triton; on the GPU where there is one, else on the CPU
-    under TRITON_INTERPRET) picks the token the torch path
-    picks from the same scores, seeds and positions (the row key hashed in the kernel): several vocabulary
-    blocks, a row of -inf, a row masked past a prefix, a row with NaNs (the first NaN, as torch.argmax), seeds of
-    any value; and with the division by temperature done in the kernel."""
+    """replicas/kernels/gumbel.py (Triton; on the GPU where there is one, else on the CPU under TRITON_INTERPRET)
+    picks the token the torch path picks from the same scores, seeds and positions (the row key hashed in the
+    kernel): several vocabulary blocks, a row of -inf, a row masked past a prefix, a row with NaNs (the first NaN,
+    as torch.argmax), seeds of any value; and with the division by temperature done in the kernel."""
     from replicas.kernels.gumbel import BLOCK, gumbel_argmax
     g = torch.Generator().manual_seed(11)
     rows, vocab = 24, 2 * BLOCK + 77
@@ -474,10 +473,10 @@ def test_fused_gumbel_kernel_equals_the_torch_sample():
 
 
 def test_fused_token_bitmask_kernel_equals_the_torch_ops():
-    """replicas/kernels/token_bitmask.py (Triton; on the GPU where there is one, else on the CPU
-    under TRITON_INTERPRET) masks exactly what the torch
-    path masks: several column blocks, a vocabulary not a multiple of 32, words with bit 31 set (negative int32),
-    rows given by index (the others untouched) and the leading form."""
+    """replicas/kernels/token_bitmask.py (Triton; on the GPU where there is one, else on the CPU under
+    TRITON_INTERPRET) masks exactly what the torch path masks: several column blocks, a vocabulary not a multiple
+    of 32, words with bit 31 set (negative int32), rows given by index (the others untouched) and the leading
+    form."""
     from replicas.kernels.token_bitmask import BLOCK, apply_token_bitmask_kernel_
     g = torch.Generator().manual_seed(12)
     rows, vocab = 7, 2 * BLOCK + 77
