@@ -1,6 +1,7 @@
 """Decode tuning benchmark (GPU, one run of a few minutes): skinny GEMM vs cuBLAS, decode attention.
 
     python -m bench.decode_tune [--out bench/results/decode_tune.json] [--budget-s 170]
+    python -m bench.decode_tune --quantization fp8        (writes bench/results/decode_tune_fp8.json)
 
 (a) GEMM, Llama-3-8B shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, lm_head
 128256x4096) at M = 64, 128, 256, bf16: cuBLAS (F.linear), the engine selector's candidates
@@ -15,6 +16,11 @@ every split policy x block_n x num_warps x num_stages variant, each in a CUDA gr
 streams >= 268 MB of K/V, past the L2), median of 5 replays. Counted bytes = K and V of every context token +
 q + out. Variants whose split count equals an already timed one with the same tiles share its time.
 Both against a 1 GiB device-to-device copy (read + write) measured in the same run (bench/roofline.Ceilings).
+--quantization fp8: (a) only, on FP8 weights with row scales (replicas/layers/fp8_linear.py) at M = 1, 2, 4, 16, 64,
+128, 256 and without the LM head (it stays bf16 under FP8): "cuBLAS" is then the FP8 layer's library call
+(activation quantization and `torch._scaled_mm`), the candidates are the selector's FP8 ones (weight-only, FP8
+tensor cores with per-tile or per-token activation scales, CUDA-core products with both K tile lengths), counted
+bytes = weight at one byte + x + y, and a per-step line sums 32 x (qkv + o + gate_up + down).
 Seed 0. A config that fails (compile, resources) is reported and skipped; past --budget-s the rest is skipped.
 """
 from __future__ import annotations
@@ -39,6 +45,7 @@ GEMM_SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4
                "lm_head": (128256, 4096)}
 LAYERS = 32
 BATCHES = (64, 128, 256)
+FP8_BATCHES = (1, 2, 4, 16, 64, 128, 256)
 CONTEXTS = (1024, 4096)
 SPLIT_VARIANTS = {"never": DecodeTuning(split_policy="never"),
                   "fill4": DecodeTuning(split_policy="fill", programs_per_sm=4),
@@ -76,13 +83,16 @@ def time_or_error(fn):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
-def gemm_rows(rows: list[dict], timer: GraphTimer, num_sms: int, deadline: Deadline) -> None:
-    """cuBLAS and the selector's candidates for every shape x M, appended to `rows`."""
-    for (name, (n, k)), m in itertools.product(GEMM_SHAPES.items(), BATCHES):
-        row = {"shape": name, "n": n, "k": k, "m": m, "bytes": 2 * (n * k + m * k + m * n), "trials": []}
+def gemm_rows(rows: list[dict], timer, num_sms: int, deadline: Deadline, shapes: dict = GEMM_SHAPES,
+              batches: tuple = BATCHES, weight_bytes: int = 2) -> None:
+    """cuBLAS and the selector's candidates for every shape x M, appended to `rows`. `timer(m, n, k, cfg)`:
+    seconds per call (a GraphTimer), cfg None for the library call."""
+    for (name, (n, k)), m in itertools.product(shapes.items(), batches):
+        row = {"shape": name, "n": n, "k": k, "m": m, "bytes": weight_bytes * n * k + 2 * (m * k + m * n),
+               "trials": []}
         row["cublas_s"], row["cublas_error"] = time_or_error(lambda: timer(m, n, k, None))
         rows.append(row)
-        add_trials(row, timer, candidate_configs(m, n, k, num_sms), True, deadline)
+        add_trials(row, timer, candidate_configs(m, n, k, num_sms, weight_bytes), True, deadline)
 
 
 def add_trials(row: dict, timer: GraphTimer, configs: list[SkinnyConfig], candidate: bool, deadline) -> None:
@@ -97,7 +107,7 @@ def add_trials(row: dict, timer: GraphTimer, configs: list[SkinnyConfig], candid
         row["trials"].append({"config": str(cfg), **cfg.__dict__, "s": t, "error": err, "candidate": candidate})
 
 
-def summarize(rows: list[dict], copy_bw: float) -> dict:
+def summarize(rows: list[dict], copy_bw: float, batches: tuple = BATCHES) -> dict:
     """Best config, the selector's pick (candidates only, must beat cuBLAS by 1%), fractions, per-step sums."""
     for row in rows:
         ok = [t for t in row["trials"] if t["s"] is not None]
@@ -109,7 +119,7 @@ def summarize(rows: list[dict], copy_bw: float) -> dict:
         for key, t in (("cublas", row["cublas_s"]), ("best", best and best["s"]), ("selector", row["selector"]["s"])):
             row[f"{key}_bw_fraction"] = row["bytes"] / t / copy_bw if t else None
     steps = {}
-    for m in BATCHES:
+    for m in batches:
         by = {r["shape"]: r for r in rows if r["m"] == m}
         if all(r["cublas_s"] and r["selector"]["s"] for r in by.values()):
             count = {s: (1 if s == "lm_head" else LAYERS) for s in by}
@@ -215,10 +225,16 @@ def print_tables(result: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                   "decode_tune.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/decode_tune.json, or decode_tune_fp8.json "
+                                                "with --quantization fp8")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip what is left after this many seconds")
+    ap.add_argument("--quantization", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: the GEMM section on FP8 weights only (module docstring)")
     args = ap.parse_args()
+    fp8 = args.quantization == "fp8"
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                "decode_tune_fp8.json" if fp8 else "decode_tune.json")
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     import triton
     torch.manual_seed(0)
@@ -228,19 +244,24 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count,
               "l2_bytes": props.L2_cache_size, "torch": torch.__version__, "triton": triton.__version__,
-              "seed": 0, "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
+              "quantization": args.quantization, "seed": 0, "copy_TBps": ceil.copy_bytes_per_s / 1e12, "matmul_TFLOPs": ceil.matmul_flops_per_s / 1e12,
               "warmup": "one eager call before each graph capture, one graph replay before timing",
               "reps": "5 graph replays, median; GEMM graphs >= 8 calls, attention graphs 4 calls",
               "method": __doc__.strip()}
     print(f"{result['device']} ({result['sms']} SMs, L2 {result['l2_bytes'] >> 20} MiB), torch {torch.__version__}, "
           f"triton {triton.__version__}, seed 0; copy {result['copy_TBps']:.2f} TB/s", flush=True)
-    timer = GraphTimer(torch.device("cuda"), torch.bfloat16)
+    timer = GraphTimer(torch.device("cuda"), torch.bfloat16, fp8=fp8)
     num_sms = num_sms_of(torch.device("cuda"))
     rows: list[dict] = []
-    sections = [("gemm", lambda: gemm_rows(rows, timer, num_sms, Deadline(0.45 * args.budget_s))),
-                ("attention", lambda: result.__setitem__("attention", bench_attention(
-                    ceil.copy_bytes_per_s, Deadline(args.budget_s * 0.8 - (time.monotonic() - started))))),
-                ("gemm_wide", lambda: [add_trials(r, timer, wide_grid(r["m"]), False, deadline) for r in rows])]
+    batches = FP8_BATCHES if fp8 else BATCHES
+    if fp8:
+        layer_shapes = {name: shape for name, shape in GEMM_SHAPES.items() if name != "lm_head"}
+        sections = [("gemm", lambda: gemm_rows(rows, timer, num_sms, deadline, layer_shapes, batches, 1))]
+    else:
+        sections = [("gemm", lambda: gemm_rows(rows, timer, num_sms, Deadline(0.45 * args.budget_s))),
+                    ("attention", lambda: result.__setitem__("attention", bench_attention(
+                        ceil.copy_bytes_per_s, Deadline(args.budget_s * 0.8 - (time.monotonic() - started))))),
+                    ("gemm_wide", lambda: [add_trials(r, timer, wide_grid(r["m"]), False, deadline) for r in rows])]
     for name, fn in sections:
         if deadline.passed():
             result.setdefault("skipped", []).append(name)
@@ -251,12 +272,12 @@ def main() -> None:
             result.setdefault("errors", {})[name] = traceback.format_exc()
             print(result["errors"][name], flush=True)
         if name == "gemm":
-            for r in summarize(rows, ceil.copy_bytes_per_s)["rows"]:
+            for r in summarize(rows, ceil.copy_bytes_per_s, batches)["rows"]:
                 print(f"  gemm {r['shape']:<8} M={r['m']:<4} cuBLAS {fmt_us(r['cublas_s'])} "
                       f"({frac(r['cublas_bw_fraction'])})  selector {r['selector']['pick']} "
                       f"{fmt_us(r['selector']['s'])} ({frac(r['selector_bw_fraction'])})", flush=True)
     timer.release()
-    result["gemm"] = summarize(rows, ceil.copy_bytes_per_s)
+    result["gemm"] = summarize(rows, ceil.copy_bytes_per_s, batches)
     result["seconds"] = time.monotonic() - started
     print_tables(result)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
