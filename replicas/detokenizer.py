@@ -82,7 +82,7 @@ class IncrementalDetokenizer:
                 else:
                     self._held = 0
                     texts.append(text)
-        return texts[0] if len(texts) == 1 else "".join(texts)
+        return "".join(texts)
 
     def _held_text(self) -> str:
         """The held ids decoded as they are, after the last emitted tokens as context."""

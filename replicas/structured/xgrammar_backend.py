@@ -14,8 +14,8 @@ several schemas, and regex lookaround in `pattern`. `oneOf` is generated as `any
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 import statistics
 import time
 from typing import Any, Optional, Sequence
