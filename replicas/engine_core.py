@@ -7,10 +7,14 @@ step (bench.serve_overhead measures what that costs). Here the loop owns its int
 
 Messages (replicas/engine_messages.py), one class per kind; client -> core pickled, core -> client as
 `encode_core_message` bytes (a step's Outputs as msgpack):
-  client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
+  client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | OpenEndpoint | Ping |
+                   Shutdown
   core -> client:  Ready(EngineInfo) | Outputs([RequestOutput]) | RequestFailed(request_id, error) |
                    Reply(call_id, ok, value) | CoreDied(reason)
-The core answers each call (GetStats, DrainFinishedTimings, Reconfigure) with one Reply between two steps.
+The core answers each call (GetStats, DrainFinishedTimings, Reconfigure, OpenEndpoint, Ping) with one Reply between
+two steps, to the client that made it. After `OpenEndpoint` it also serves clients over TCP
+(replicas/core_endpoint.py, replicas/remote_engine.py): each gets Ready, then the outputs of its own requests; one
+that leaves has its requests aborted. The owner's pipe closing ends the core.
 Prompts arrive as token ids (the client tokenizes them) and outputs leave without them (the client keeps them).
 With `EngineConfig.serving.stream_item_ms` set, each of the n requests a step touched reports at most every (n - 1) x
 that, an output carrying everything new (replicas/stream_coalescer.py); its first and last outputs go at once.
@@ -28,15 +32,18 @@ import multiprocessing.util
 import os
 import sys
 import time
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Optional
 
 from replicas.config import EngineConfig
+from replicas.core_endpoint import CoreEndpoint, PipeClient, SocketClient
 from replicas.distributed.launch import LaunchedRanks
-from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, ClientMessage, CoreDied,
-                                      DrainFinishedTimings, EngineInfo, GetStats, Outputs, Prompt, Ready,
-                                      Reconfigure, Reply, RequestFailed, Shutdown, encode_core_message)
+from replicas.engine_messages import (AbortRequest, AddRequest, ChatPrompt, ClientMessage, CoreAddress, CoreDied,
+                                      DrainFinishedTimings, EngineInfo, GetStats, OpenEndpoint, Outputs, Ping,
+                                      Prompt, Ready, Reconfigure, Reply, RequestFailed, Shutdown,
+                                      encode_core_message)
 from replicas.outputs import RequestOutput
+from replicas.request import RequestError
 from replicas.startup_heap import freeze_startup_heap
 
 __all__ = ["ChatPrompt", "EngineCore", "EngineInfo", "IDLE_BEAT_S", "Prompt", "portable_error", "run_engine_core"]
@@ -59,13 +66,17 @@ def portable_error(e: BaseException) -> BaseException:
 
 
 class EngineCore:
-    def __init__(self, engine, inputs: Connection, outputs: Connection, heartbeat=None):
+    def __init__(self, engine, inputs: Connection, outputs: Connection, heartbeat=None, info: EngineInfo = None):
         """heartbeat: a shared double (multiprocessing.Value("d")) the core keeps at the monotonic time of its
-        last sign of life."""
+        last sign of life. info: what every client learns first (Ready)."""
         self.engine = engine
-        self.inputs, self.outputs = inputs, outputs
+        self.owner = PipeClient(inputs, outputs)
         self.heartbeat = heartbeat
+        self.info = info
         self.stopping = False
+        self.endpoint: Optional[CoreEndpoint] = None
+        self.remotes: list[SocketClient] = []
+        self.remote_requests: dict[str, SocketClient] = {}     # requests of clients other than the owner
 
     def beat(self) -> None:
         if self.heartbeat is not None:
@@ -76,57 +87,148 @@ class EngineCore:
         while not self.stopping:
             self.beat()
             if not engine.has_unfinished:
-                # Idle: wait for a message (or the client's end closing), beating while nothing comes.
-                while not self.inputs.poll(IDLE_BEAT_S):
+                # Idle: wait for a message (or a client's end closing), beating while nothing comes.
+                while not self.wait_input(IDLE_BEAT_S):
                     self.beat()
-            while self.inputs.poll(0):
-                self.handle(self.inputs.recv())
-                if self.stopping:
-                    return
+            self.receive()
+            if self.stopping:
+                return
             if engine.has_unfinished:
                 self.beat()
                 outputs = engine.step()
                 self.beat()
                 if outputs:
-                    self.send(Outputs(self.compact(outputs)))
+                    self.deliver(self.compact(outputs))
             for rid, error in engine.take_failed():
-                self.send(RequestFailed(rid, portable_error(error)))
+                self.send(self.client_of(rid, forget=True), RequestFailed(rid, portable_error(error)))
 
-    def send(self, msg) -> None:
-        self.outputs.send_bytes(encode_core_message(msg))
+    # ---- clients ----------------------------------------------------------------------------------
+    def wait_input(self, timeout: float) -> bool:
+        if self.endpoint is None:
+            return self.owner.conn.poll(timeout)
+        return bool(wait([self.owner.conn, self.endpoint, *(c.conn for c in self.remotes)], timeout))
 
-    def handle(self, msg: ClientMessage) -> None:
+    def receive(self) -> None:
+        """Handle every message that has arrived, the owner's first; take clients that connected."""
+        if self.endpoint is None:
+            while self.owner.conn.poll(0):
+                self.handle(self.owner, self.owner.conn.recv())
+                if self.stopping:
+                    return
+            return
+        ready = set(wait([self.owner.conn, self.endpoint, *(c.conn for c in self.remotes)], 0))
+        while self.owner.conn.poll(0):
+            self.handle(self.owner, self.owner.conn.recv())
+            if self.stopping:
+                return
+        if self.endpoint in ready:
+            for client in self.endpoint.take():
+                self.remotes.append(client)
+                self.send(client, Ready(self.info))
+        for client in [c for c in self.remotes if c.conn in ready]:
+            try:
+                while client.conn.poll(0):
+                    self.handle(client, client.conn.recv())
+                    if client.closed:
+                        break
+            except (EOFError, OSError):
+                self.drop(client)
+            except Exception:  # noqa: BLE001 - a client that sends what the core cannot read leaves, the core stays
+                log.exception("engine client %s sent a message the core cannot handle; dropping it", client.name)
+                self.drop(client)
+
+    def drop(self, client: SocketClient) -> None:
+        """A client left (or fell behind): its requests are aborted, their blocks freed at once."""
+        if client in self.remotes:
+            self.remotes.remove(client)
+        for rid in [rid for rid, c in self.remote_requests.items() if c is client]:
+            del self.remote_requests[rid]
+            self.engine.abort(rid)
+        client.close()
+
+    def client_of(self, request_id: str, forget: bool = False):
+        if not self.remote_requests:
+            return self.owner
+        return (self.remote_requests.pop(request_id, self.owner) if forget else
+                self.remote_requests.get(request_id, self.owner))
+
+    def send(self, client, msg) -> None:
+        client.send(encode_core_message(msg))
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """One Outputs message per client that has outputs in this step."""
+        if not self.remote_requests:
+            self.owner.send(encode_core_message(Outputs(outputs)))
+            return
+        by_client: dict[int, tuple] = {}
+        for out in outputs:
+            client = self.client_of(out.request_id, forget=out.finished)
+            by_client.setdefault(id(client), (client, []))[1].append(out)
+        for client, outs in by_client.values():
+            self.send(client, Outputs(outs))
+        for client in [c for c in self.remotes if c.closed]:
+            self.drop(client)
+
+    # ---- messages ---------------------------------------------------------------------------------
+    def handle(self, client, msg: ClientMessage) -> None:
         match msg:
             case AddRequest():
-                self.add(msg)
+                self.add(client, msg)
             case AbortRequest(request_id=rid):
-                self.engine.abort(rid)
+                if self.client_of(rid) is client:           # a client aborts only its own requests
+                    self.remote_requests.pop(rid, None)
+                    self.engine.abort(rid)
             case GetStats(call_id=call_id):
-                self.answer(call_id, self.engine.get_stats)
+                self.answer(client, call_id, self.engine.get_stats)
             case DrainFinishedTimings(call_id=call_id):
-                self.answer(call_id, self.engine.drain_finished_timings)
+                self.answer(client, call_id, self.engine.drain_finished_timings)
             case Reconfigure(call_id=call_id):
-                self.answer(call_id, lambda: self.engine.reconfigure(
+                self.answer(client, call_id, lambda: self.engine.reconfigure(
                     max_num_batched_tokens=msg.max_num_batched_tokens, elastic=msg.elastic,
                     speculation=msg.speculation))
+            case OpenEndpoint(call_id=call_id, host=host):
+                self.answer(client, call_id, lambda: self.open_endpoint(host))
+            case Ping(call_id=call_id):
+                self.answer(client, call_id, lambda: True)
+            case Shutdown() if client.remote:
+                self.drop(client)
             case Shutdown():
                 self.stopping = True
             case _:
                 raise TypeError(f"unknown engine core message {msg!r}")
 
-    def add(self, msg: AddRequest) -> None:
+    def add(self, client, msg: AddRequest) -> None:
+        rid = msg.request_id
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+            if client.remote:
+                if rid in self.remote_requests or rid in self.engine.requests:
+                    raise RequestError("request_id", f"request id {rid!r} is already running")
+                self.remote_requests[rid] = client
+            self.engine.add_request(rid, msg.prompt_token_ids, msg.params)
         except Exception as e:  # noqa: BLE001 - one request's failure is that request's, never the core's
+            if client.remote and self.remote_requests.get(rid) is client and rid not in self.engine.requests:
+                del self.remote_requests[rid]
             if not isinstance(e, ValueError):
-                log.error("request %s could not be added", msg.request_id, exc_info=True)
-            self.send(RequestFailed(msg.request_id, portable_error(e)))
+                log.error("request %s could not be added", rid, exc_info=True)
+            self.send(client, RequestFailed(rid, portable_error(e)))
 
-    def answer(self, call_id: int, call) -> None:
+    def answer(self, client, call_id: int, call) -> None:
         try:
-            self.send(Reply(call_id, True, call()))
+            self.send(client, Reply(call_id, True, call()))
         except Exception as e:  # noqa: BLE001 - a failed call (or an unpicklable value) is the caller's error
-            self.send(Reply(call_id, False, portable_error(e)))
+            self.send(client, Reply(call_id, False, portable_error(e)))
+
+    def open_endpoint(self, host: str) -> CoreAddress:
+        if self.endpoint is None:
+            self.endpoint = CoreEndpoint(host)
+            log.info("engine core accepts clients at %s:%d", host, self.endpoint.address.port)
+        return self.endpoint.address
+
+    def close(self) -> None:
+        for client in list(self.remotes):
+            self.drop(client)
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     @staticmethod
     def compact(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -142,17 +244,18 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
     `init_method`."""
     from replicas.engine import LLMEngine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = None
+    engine = core = None
     exit_code = 0
     try:
         launcher = LaunchedRanks(init_method) if config.tensor_parallel_size > 1 else None
         engine = LLMEngine(config, worker_launcher=launcher)
-        core = EngineCore(engine, inputs, outputs, heartbeat)
-        core.beat()
         bm = engine.block_manager
+        info = EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size, bm.num_base * bm.block_size,
+                          engine.elastic is not None)
+        core = EngineCore(engine, inputs, outputs, heartbeat, info)
+        core.beat()
         freeze_startup_heap()
-        core.send(Ready(EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
-                                   bm.num_base * bm.block_size, engine.elastic is not None)))
+        core.send(core.owner, Ready(info))
         core.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.warning("the serving process went away; the engine core stops")
@@ -164,6 +267,8 @@ def run_engine_core(config: EngineConfig, init_method: Optional[str], inputs: Co
         except OSError:
             pass
     finally:
+        if core is not None:
+            core.close()
         if engine is not None:
             engine.shutdown()
         outputs.close()

@@ -3,8 +3,12 @@ The core dispatches on the message's type. Prompts cross as token ids: the clien
 templates), so the core's step loop never does. Client -> core messages are pickled (`Connection.send`); core ->
 client messages go as bytes (`encode_core_message`): Outputs, the one message of every step, as msgpack.
 
-client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | Shutdown
+client -> core:  AddRequest | AbortRequest | GetStats | DrainFinishedTimings | Reconfigure | OpenEndpoint | Ping |
+                 Shutdown
 core -> client:  Ready (once, first) | Outputs | RequestFailed | Reply (one per call) | CoreDied (last)
+
+Besides its owner (the process that started it, over two pipes) a core can serve further clients over one socket each
+(`OpenEndpoint`; replicas/core_endpoint.py): the same messages, each client getting its own requests' outputs.
 """
 from __future__ import annotations
 
@@ -36,6 +40,15 @@ class EngineInfo:
     vocab_size: int               # ids below this are valid in both the model and the tokenizer
     kv_tokens: int                # tokens the KV cache's base region holds (an elastic reserve not counted)
     elastic_available: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CoreAddress:
+    """Where a core accepts clients beyond its owner: a TCP address and the key both ends prove they hold
+    (multiprocessing.connection's HMAC challenge)."""
+    host: str
+    port: int
+    authkey: bytes
 
 
 # ---- client -> core ------------------------------------------------------------------------------------
@@ -75,11 +88,23 @@ class Reconfigure(EngineCall):
 
 
 @dataclass(frozen=True, slots=True)
+class OpenEndpoint(EngineCall):
+    """The owner asks the core to accept further clients on `host`; the reply is the `CoreAddress`."""
+    host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(EngineCall):
+    """Answered between two steps: a client without the owner's heartbeat learns that the core still steps."""
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
-    pass
+    """From the owner: stop the core. From another client: that client leaves (its requests are aborted)."""
 
 
-ClientMessage = Union[AddRequest, AbortRequest, GetStats, DrainFinishedTimings, Reconfigure, Shutdown]
+ClientMessage = Union[AddRequest, AbortRequest, GetStats, DrainFinishedTimings, Reconfigure, OpenEndpoint, Ping,
+                      Shutdown]
 
 
 # ---- core -> client ------------------------------------------------------------------------------------
