@@ -37,8 +37,9 @@ A request that fails (an HTTP error, an error event, an incomplete stream) is co
 The loaded run also records the engine's counters meanwhile (`engine`: tokens per step, ms per step, steps
 that ran a prefill; direct: `AsyncLLMEngine.stats()`, Serve: GET /stats): a slower path either left the engine
 fewer requests to batch or made its steps slower. On a Serve path it also records the CPU seconds the server's
-processes spent on it by role (`server_cpu_s`: replica, its engine core, the front door) and per chunk streamed
-(`server_cpu_us_per_chunk`; `chunks`: the chunks that carried tokens): what the stream-item budget is set against.
+processes spent on it by role (`server_cpu_s`: replica, ingress replicas, engine core, front door) and per chunk
+streamed (`server_cpu_us_per_chunk`; `chunks`: the chunks that carried tokens): what the stream-item budget is set
+against.
 JSON keys ending in _c64 / _64 hold the --concurrency level (64 by default; `concurrency` records it).
 Targets: added median TTFT <= 5 ms, Serve/direct output throughput >= 0.90 at 64 streams.
 --streaming: the direct engine and the front door only, --concurrency 256 by default; writes the `streaming`
@@ -198,18 +199,20 @@ async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload
 
 def server_cpu_seconds(root_pid: int) -> Optional[dict[str, float]]:
     """CPU seconds so far of the server's processes (descendants of `root_pid`) by role: `replica` (Ray's
-    ServeReplica workers), `engine_core` (their children: the engine core, multiprocessing's helpers) and
-    `front_door` (HAProxy, or Serve's proxy actor). None without psutil (Ray's own copy counts once ray is
+    ServeReplica workers), `ingress` (those of ingress replicas), `engine_core` (the replicas' children: the engine
+    core, multiprocessing's helpers) and `front_door` (HAProxy, or Serve's proxy actor). None without psutil (Ray's own copy counts once ray is
     imported)."""
     try:
         import psutil
     except ImportError:
         return None
-    out = {"replica": 0.0, "engine_core": 0.0, "front_door": 0.0}
+    out = {"replica": 0.0, "ingress": 0.0, "engine_core": 0.0, "front_door": 0.0}
     for proc in psutil.Process(root_pid).children(recursive=True):
         try:
             command, parent = " ".join(proc.cmdline()), proc.parent()
-            if "ServeReplica" in command:
+            if "IngressReplica" in command:
+                role = "ingress"
+            elif "ServeReplica" in command:
                 role = "replica"
             elif "haproxy" in proc.name() or "ProxyActor" in command:
                 role = "front_door"
@@ -301,7 +304,8 @@ GPU_MEMORY_UTILIZATION = {"direct": 0.3, "serve": 0.6}
 
 
 def serve_flags(model: Optional[str], args: argparse.Namespace) -> list[str]:
-    flags = ["--device", args.device, "--replicas", "1", "--tp", "1", "--ingress", args.ingress]
+    flags = ["--device", args.device, "--replicas", "1", "--tp", "1", "--ingress", args.ingress,
+             "--api-server-count", str(args.api_server_count)]
     if model is not None:
         flags += ["--model", model]
     if args.load_format != "auto":
@@ -328,7 +332,7 @@ def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfi
 def direct_engine_config(model: Optional[str], args: argparse.Namespace) -> EngineConfig:
     """The engine a replica runs for that config: with the replica's stream-item budget (cluster.replica), so the
     direct engine reports as sparingly as the served one and only Serve differs between the paths."""
-    return replica_engine_config(direct_config(model, args))
+    return replica_engine_config(direct_config(model, args), args.api_server_count)
 
 
 def overhead(serve: dict, direct: dict) -> dict:
@@ -424,7 +428,8 @@ def run(args: argparse.Namespace) -> dict:
             "ingress": args.ingress, "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
             "gpu_memory_utilization": GPU_MEMORY_UTILIZATION if args.device == "cuda" else None,
-            "stream_item_ms": envs.stream_item_ms(),
+            "stream_item_ms": envs.stream_item_ms() / args.api_server_count,
+            "api_server_count": args.api_server_count,
             "counted": "generated tokens only (direct: streamed token ids; serve: usage.completion_tokens)",
             "method": __doc__.strip()}
 
@@ -447,6 +452,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                                             "repeat's Serve/direct figures")
     ap.add_argument("--ingress", default="auto", choices=["auto", "haproxy", "proxy"],
                     help="the front door `tidal serve` puts up (auto: HAProxy when installed)")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="`tidal serve --api-server-count`: HTTP processes streaming the replica's engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--streaming", action="store_true",
                     help="the direct engine and the front door only; writes the `streaming` section of --out")

@@ -1,4 +1,5 @@
-"""The Serve application: `num_replicas` `LLMReplica`s, each an engine that serves the OpenAI routes itself.
+"""The Serve application: `num_replicas` `LLMReplica`s, each an engine that serves the OpenAI routes itself, or
+with `api_server_count` N > 1, N `IngressReplica`s per engine replica serving the routes (cluster/ingress_replica.py).
 
 Usable as a Serve import path: `serve run cluster.app:build_app model=/m.gguf tensor_parallel_size=2`,
 or in a RayService config (`import_path: cluster.app:build_app`, `args: {...}`).
@@ -16,7 +17,8 @@ from cluster.controller import start_controller
 from cluster.controller_policies import POLICIES, ControllerConfig
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES
 from cluster.rank_actor import rank_bundle
-from cluster.replica import DEFAULT_REQUEST_TIMEOUT_S, LLMReplica
+from cluster.ingress_replica import LLMIngress
+from cluster.replica import DEFAULT_REQUEST_TIMEOUT_S, LLMEngineReplica, LLMReplica
 from replicas import envs
 from replicas.config import EngineConfig, unknown_settings_message
 from replicas.device import resolve_device
@@ -62,6 +64,8 @@ class AppArgs(BaseModel):
     served_model_name: Optional[str] = None       # default: the engine's model name
     tensor_parallel_size: Optional[int] = None
     num_replicas: int = Field(1, ge=1)
+    # HTTP processes per engine replica (cluster/ingress_replica.py); 1: the engine replica serves HTTP itself
+    api_server_count: int = Field(1, ge=1, le=64)
     autoscaling_config: Optional[dict[str, Any]] = None   # replaces num_replicas when set
     device: Optional[str] = None                  # auto | cpu | cuda; auto: cuda when the cluster has GPUs
     max_num_batched_tokens: Optional[int] = None
@@ -90,6 +94,9 @@ class AppArgs(BaseModel):
     @model_validator(mode="after")
     def _valid_engine(self) -> "AppArgs":
         EngineConfig.from_flat(**engine_settings(self))       # types, choices and bounds, before deploying
+        if self.api_server_count > 1 and self.autoscaling_config:
+            raise ValueError("api_server_count > 1 pairs a fixed number of ingress replicas with each engine "
+                             "replica: give num_replicas, not autoscaling_config")
         return self
 
 
@@ -129,15 +136,29 @@ def build_app(args: AppArgs) -> Application:
     # The replica refuses what is beyond its queue itself (by tokens, then by this count), as an OpenAI 503; Serve's
     # own limits sit above it (room for /health, /v1/models, /stats), so its proxy never answers with a bare-text
     # refusal.
-    return LLMReplica.options(
-        **scale,
+    engine_options = dict(
         ray_actor_options={"num_cpus": args.cpus_per_rank, "num_gpus": 1 if use_gpu else 0},
         placement_group_bundles=[rank_bundle(use_gpu, args.cpus_per_rank)] * config.tensor_parallel_size,
         placement_group_strategy="STRICT_PACK",
-        max_ongoing_requests=request_limit + CONTROL_REQUESTS,
         max_queued_requests=-1,
         graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
-        user_config=args.knobs,
-    ).bind(config, args.cpus_per_rank, request_limit=request_limit, api_key=args.api_key,
-           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-           request_timeout_s=args.request_timeout_s)
+        user_config=args.knobs)
+    http = dict(api_key=args.api_key, served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                request_timeout_s=args.request_timeout_s)
+    if args.api_server_count == 1:
+        return LLMReplica.options(**scale, **engine_options, max_ongoing_requests=request_limit + CONTROL_REQUESTS
+                                  ).bind(config, args.cpus_per_rank, request_limit=request_limit, **http)
+    count = args.api_server_count
+    engines = LLMEngineReplica.options(num_replicas=args.num_replicas, **engine_options,
+                                       max_ongoing_requests=CONTROL_REQUESTS).bind(
+        config, args.cpus_per_rank, request_limit=request_limit, **http, ingress_replicas=count,
+        drain_s=args.graceful_shutdown_timeout_s)
+    # On CPU the TP ranks take every core (`tidal serve`'s cpus_per_rank), so the ingress replicas reserve none.
+    return LLMIngress.options(
+        num_replicas=args.num_replicas * count,
+        ray_actor_options={"num_cpus": 1 if use_gpu else 0},
+        max_ongoing_requests=request_limit // count + CONTROL_REQUESTS,
+        max_queued_requests=-1,
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+    ).bind(engines, config, num_engines=args.num_replicas, ingresses_per_engine=count, request_limit=request_limit,
+           **http)

@@ -30,8 +30,10 @@ class MetricsRecorder:
     def record(self, stats: EngineStats, timings: list, admission: Optional[AdmissionSnapshot] = None) -> None:
         self.metrics.record(stats, timings)
         if admission is not None:
-            self.metrics.record_admission(admission.requests, admission.tokens, admission.token_limit,
-                                          admission.refused)
+            self.record_admission(admission)
+
+    def record_admission(self, admission: AdmissionSnapshot) -> None:
+        self.metrics.record_admission(admission.requests, admission.tokens, admission.token_limit, admission.refused)
 
     def record_controller_decision(self, knob: str, value: float, reason: str, applied: bool = True) -> None:
         self.metrics.record_controller_decision(knob, value, reason, applied)
@@ -47,6 +49,9 @@ class RemoteRecorder:
 
     def record(self, stats: EngineStats, timings: list, admission: Optional[AdmissionSnapshot] = None) -> None:
         self.last = self.actor.record.remote(stats, timings, admission)
+
+    def record_admission(self, admission: AdmissionSnapshot) -> None:
+        self.last = self.actor.record_admission.remote(admission)
 
     def record_controller_decision(self, knob: str, value: float, reason: str, applied: bool = True) -> None:
         self.last = self.actor.record_controller_decision.remote(knob, value, reason, applied)
@@ -64,10 +69,11 @@ class RemoteRecorder:
 class MetricsPump(threading.Thread):
     """Feeds the replica's metrics from the engine every period: through a `MetricsRecorder` actor inside Ray, in
     this process otherwise (a replica class built outside Serve); the metrics are off when neither can start, the
-    finished requests still go to `on_finished`."""
+    finished requests still go to `on_finished`. Without an engine (an ingress replica, whose engine another
+    replica owns and records) it records only the admission."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, replica_id: str, period_s: float = METRICS_PERIOD_S,
-                 on_finished: Optional[Callable[[list], None]] = None,
+    def __init__(self, engine: Optional[AsyncLLMEngine], model_name: str, replica_id: str,
+                 period_s: float = METRICS_PERIOD_S, on_finished: Optional[Callable[[list], None]] = None,
                  admission: Optional[Callable[[], AdmissionSnapshot]] = None):
         super().__init__(name="tidal-metrics", daemon=True)
         self.engine = engine
@@ -94,6 +100,10 @@ class MetricsPump(threading.Thread):
 
     def flush(self) -> None:
         try:
+            if self.engine is None:
+                if self.recorder is not None and self.admission is not None:
+                    self.recorder.record_admission(self.admission())
+                return
             timings = self.engine.drain_finished_timings()
             if self.on_finished is not None:
                 self.on_finished(timings)

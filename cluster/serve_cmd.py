@@ -44,6 +44,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                           "Serve. Joins the cluster in RAY_ADDRESS if set, else starts a local one.")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     p.add_argument("--replicas", type=int, default=1, help="number of replicas")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="HTTP processes per replica, each streaming its requests from the replica's engine core "
+                        "(1: the replica serves HTTP itself)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--ingress", choices=("auto", "haproxy", "proxy"), default="auto",
@@ -105,7 +108,8 @@ def serve_app_args(args: argparse.Namespace):
     policy = args.controller or ("auto" if device == "cuda" else "static")
     controller = ControllerArgs(policy=policy, interval_s=args.controller_interval, advisory=args.controller_advisory,
                                 ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms, app_name=APP_NAME)
-    return AppArgs(served_model_name=args.served_model_name, num_replicas=args.replicas, api_key=args.api_key,
+    return AppArgs(served_model_name=args.served_model_name, num_replicas=args.replicas,
+                   api_server_count=args.api_server_count, api_key=args.api_key,
                    cpus_per_rank=cpus_per_rank, max_ongoing_requests=args.max_ongoing_requests,
                    max_queued_requests=args.max_queued_requests, engine_kwargs=engine, knobs=_knobs(args.knob),
                    graceful_shutdown_timeout_s=args.drain_timeout_s, request_timeout_s=args.request_timeout_s,
@@ -183,7 +187,7 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         model = _wait_until_healthy(url, READY_TIMEOUT_S)
         if routed_by_own_haproxy:
-            _wait_until_routed(args.replicas, READY_TIMEOUT_S)
+            _wait_until_routed(args.replicas * args.api_server_count, READY_TIMEOUT_S)
         serving.set()
         metrics = "" if joined else f", Prometheus metrics on :{args.metrics_port}"
         for replica_url in replica_urls(APP_NAME, args.host):
@@ -314,7 +318,9 @@ def _begin_drain(drain_timeout_s: float) -> None:
     within_s = drain_timeout_s - DRAIN_ANSWER_MARGIN_S if drain_timeout_s > 2 * DRAIN_ANSWER_MARGIN_S \
         else drain_timeout_s / 2
     try:
-        handle = serve.get_deployment_handle("LLMReplica", app_name=APP_NAME)
+        ingress = serve.status().applications[APP_NAME].deployments
+        name = "IngressReplica" if "IngressReplica" in ingress else "LLMReplica"    # whichever carries the streams
+        handle = serve.get_deployment_handle(name, app_name=APP_NAME)
         handle.broadcast("begin_drain", within_s).results(timeout_s=10, return_exceptions=True)
     except Exception:  # noqa: BLE001 - without it the drain still ends, with Serve killing what still runs
         logger.warning("could not tell the replicas when the drain ends", exc_info=True)

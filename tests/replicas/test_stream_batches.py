@@ -10,7 +10,7 @@ from tests.support.checkpoints import make_tiny_llama
 
 from cluster.ingress import OpenAIRoutes
 from cluster.protocol import ChoiceDelta, StreamStart
-from cluster.replica import _merge
+from cluster.frontend import _merge
 from cluster.responses import (ChatChoice, ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionResponse,
                                ResponseBuilder)
 from replicas import EngineConfig, SamplingParams
