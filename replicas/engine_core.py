@@ -157,15 +157,20 @@ class EngineCore:
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """One Outputs message per client that has outputs in this step."""
-        if not self.remote_requests:
+        remote = self.remote_requests
+        if not remote:
             self.owner.send(encode_core_message(Outputs(outputs)))
             return
-        by_client: dict[int, tuple] = {}
+        groups: dict[int, tuple] = {}
         for out in outputs:
-            client = self.client_of(out.request_id, forget=out.finished)
-            by_client.setdefault(id(client), (client, []))[1].append(out)
-        for client, outs in by_client.values():
-            self.send(client, Outputs(outs))
+            rid = out.request_id
+            client = (remote.pop(rid, None) if out.finished else remote.get(rid)) or self.owner
+            group = groups.get(id(client))
+            if group is None:
+                groups[id(client)] = group = (client, [])
+            group[1].append(out)
+        for client, outs in groups.values():
+            client.send(encode_core_message(Outputs(outs)))
         for client in [c for c in self.remotes if c.closed]:
             self.drop(client)
 

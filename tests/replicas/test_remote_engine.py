@@ -29,7 +29,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture()
 def owner(model):
-    engine = AsyncLLMEngine(EngineConfig.from_flat(model=model, device="cpu", max_model_len=128,
+    engine = AsyncLLMEngine(EngineConfig.from_flat(model=model, device="cpu", max_model_len=256,
                                                    engine_watchdog_s=2.0))
     yield engine
     engine.shutdown()
@@ -85,22 +85,33 @@ def test_clients_get_their_own_outputs(owner):
 
 def test_a_client_that_leaves_has_its_requests_aborted(owner):
     remote = RemoteEngine(owner.open_endpoint("127.0.0.1"), owner.config)
-    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=owner.max_model_len - 8, ignore_eos=True)
+    owner.drain_finished_timings()
 
-    async def start():
+    async def run():
         streams = [remote.generate([5, 6, 7 + i], long, f"left-{i}") for i in range(4)]
-        for s in streams:
-            await s.__anext__()
-        return streams
+        await asyncio.gather(*(s.__anext__() for s in streams))
+        # Held still while the connection drops, the core reads the EOF before its next step: the requests are
+        # at their first tokens, far from their last.
+        os.kill(owner._proc.pid, signal.SIGSTOP)
+        with socket.socket(fileno=os.dup(remote._to_core.fileno())) as raw:
+            raw.shutdown(socket.SHUT_RDWR)  # the connection drops under open streams, without a goodbye
+        os.kill(owner._proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while (await asyncio.to_thread(owner.stats)).num_running:
+            assert time.monotonic() < deadline, "the core kept the requests of a client that left"
+            await asyncio.sleep(0.05)
+        for s in streams:                   # what arrived before the drop, then the end
+            with pytest.raises(EngineDeadError):
+                async for _ in s:
+                    pass
 
-    asyncio.run(start())                # the streams are left open: the client goes away under them
-    assert owner.stats().num_running == 4
-    with socket.socket(fileno=os.dup(remote._to_core.fileno())) as raw:
-        raw.shutdown(socket.SHUT_RDWR)  # the connection drops without a goodbye
-    wait_until(lambda: owner.stats().num_running == 0)
+    asyncio.run(run())
     assert owner.stats().kv_blocks_used == 0
+    done = [t for t in owner.drain_finished_timings() if t.request_id.startswith("left-")]
+    assert all(t.num_generation_tokens < long.max_tokens for t in done), done
     assert asyncio.run(tokens(owner, [5, 6, 7], "after")) and owner.is_alive()
-    wait_until(lambda: not remote.is_alive())
+    assert not remote.is_alive()
     remote.shutdown()
 
 
