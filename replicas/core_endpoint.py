@@ -2,8 +2,8 @@
 cluster/ingress_replica.py) over one TCP connection each, accepted by a `CoreEndpoint`.
 
 The core's step loop must never wait on a client. The owner's pipes are read by its own reader thread; a socket
-client gets a writer thread of its own, and one that falls MAX_BACKLOG messages behind (stopped, or its host
-overloaded) is dropped: its connection closes and the core aborts its requests. A connection that does not finish
+client is written without blocking, and one that falls MAX_PENDING_BYTES behind (stopped, or its host overloaded)
+is dropped: its connection closes and the core aborts its requests. A connection that does not finish
 the authentication handshake within HANDSHAKE_S is closed without reaching the step loop.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from replicas.engine_messages import CoreAddress
 log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 5.0
-MAX_BACKLOG = 4096              # step messages a socket client may be behind before it is dropped
+MAX_PENDING_BYTES = 64 << 20     # what a socket client may be behind before it is dropped
 
 
 class PipeClient:
@@ -39,7 +39,11 @@ class PipeClient:
 
 
 class SocketClient:
-    """A client over one duplex connection; `send` queues for the writer thread and never blocks."""
+    """A client over one duplex connection. `send` writes from the step loop without blocking (MSG_DONTWAIT, in
+    multiprocessing.connection's framing, so the client reads with `recv_bytes`); what the socket does not take
+    waits in `pending` and goes out with later sends or `flush()`. A thread per client would cost the step loop
+    more: each write's return competes for the core's GIL. A client whose pending bytes pass MAX_PENDING_BYTES
+    (stopped, or its host overloaded) is `closed`; the core then drops it."""
 
     remote = True
 
@@ -47,54 +51,44 @@ class SocketClient:
         self.conn = conn
         self.name = name
         self.closed = False
-        self._queue: deque[bytes] = deque()
-        self._ready = threading.Condition(threading.Lock())
-        self._writer = threading.Thread(target=self._write, name=f"tidal-core-writer-{name}", daemon=True)
-        self._writer.start()
+        self.pending = bytearray()
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))      # for send flags; reads stay on `conn`
 
     def send(self, data: bytes) -> None:
-        with self._ready:
-            if self.closed:
-                return
-            if len(self._queue) >= MAX_BACKLOG:
-                log.warning("engine client %s is %d messages behind; dropping it", self.name, len(self._queue))
-                self._shut()
-                return
-            self._queue.append(data)
-            self._ready.notify()
+        if self.closed:
+            return
+        self.pending += struct.pack("!i", len(data))
+        self.pending += data
+        self.flush()
 
-    def _write(self) -> None:
-        while True:
-            with self._ready:
-                while not self._queue and not self.closed:
-                    self._ready.wait()
-                if self.closed and not self._queue:
-                    return
-                batch = list(self._queue)
-                self._queue.clear()
-            try:
-                for data in batch:
-                    self.conn.send_bytes(data)
-            except OSError:
-                with self._ready:
-                    self._shut()
-                return
+    def flush(self) -> None:
+        if not self.pending or self.closed:
+            return
+        try:
+            sent = self._sock.send(self.pending, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._shut()
+            return
+        del self.pending[:sent]
+        if len(self.pending) > MAX_PENDING_BYTES:
+            log.warning("engine client %s is %d bytes behind; dropping it", self.name, len(self.pending))
+            self._shut()
 
     def _shut(self) -> None:
-        """Under the lock: stop writing, and wake the core's wait on this connection (it reads EOF and drops us)."""
+        """Stop writing, and wake the core's wait on this connection (it reads EOF and drops us)."""
         self.closed = True
-        self._queue.clear()
-        self._ready.notify()
+        self.pending.clear()
         try:
-            with socket.socket(fileno=os.dup(self.conn.fileno())) as raw:
-                raw.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
     def close(self) -> None:
-        with self._ready:
-            self.closed = True
-            self._ready.notify()
+        self.closed = True
+        self.pending.clear()
+        self._sock.close()
         self.conn.close()
 
 
@@ -176,4 +170,4 @@ def connect(address: CoreAddress, timeout_s: float = HANDSHAKE_S) -> Connection:
     return conn
 
 
-__all__ = ["CoreEndpoint", "HANDSHAKE_S", "MAX_BACKLOG", "PipeClient", "SocketClient", "connect"]
+__all__ = ["CoreEndpoint", "HANDSHAKE_S", "MAX_PENDING_BYTES", "PipeClient", "SocketClient", "connect"]

@@ -51,6 +51,7 @@ __all__ = ["ChatPrompt", "EngineCore", "EngineInfo", "IDLE_BEAT_S", "Prompt", "p
 log = logging.getLogger(__name__)
 
 IDLE_BEAT_S = 0.5             # the longest the heartbeat goes unwritten while the core waits for input
+PENDING_RETRY_S = 0.002       # while a client has unsent output, the idle core retries at least this often
 
 
 def portable_error(e: BaseException) -> BaseException:
@@ -106,6 +107,10 @@ class EngineCore:
     def wait_input(self, timeout: float) -> bool:
         if self.endpoint is None:
             return self.owner.conn.poll(timeout)
+        if any(c.pending for c in self.remotes):        # idle with unsent output: retry it every few ms
+            timeout = min(timeout, PENDING_RETRY_S)
+            for c in self.remotes:
+                c.flush()
         return bool(wait([self.owner.conn, self.endpoint, *(c.conn for c in self.remotes)], timeout))
 
     def receive(self) -> None:
@@ -171,6 +176,9 @@ class EngineCore:
             group[1].append(out)
         for client, outs in groups.values():
             client.send(encode_core_message(Outputs(outs)))
+        for client in self.remotes:
+            if client.pending:                              # behind: what it did not take goes out now if it can
+                client.flush()
         for client in [c for c in self.remotes if c.closed]:
             self.drop(client)
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import socket
+import threading
 import time
 from multiprocessing.connection import AuthenticationError
 
@@ -151,3 +152,31 @@ def test_a_stuck_core_makes_the_remote_client_unhealthy(owner):
     finally:
         os.kill(owner._proc.pid, signal.SIGCONT)
         remote.shutdown()
+
+
+def test_a_socket_client_never_blocks_the_core_and_is_dropped_when_far_behind(monkeypatch):
+    """SocketClient.send returns at once however little the peer reads: what the socket does not take waits in
+    `pending` and goes out in order, in the framing `recv_bytes` reads; past MAX_PENDING_BYTES the client closes."""
+    from multiprocessing.connection import Connection
+
+    from replicas import core_endpoint
+    from replicas.core_endpoint import SocketClient
+    ours, theirs = socket.socketpair()
+    client, peer = SocketClient(Connection(ours.detach()), "t"), Connection(theirs.detach())
+    messages = [bytes([i % 256]) * 50_000 for i in range(200)]          # 10 MB, more than the socket buffers
+    for m in messages:
+        client.send(m)
+    assert client.pending and not client.closed
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(peer.recv_bytes() for _ in messages))
+    reader.start()
+    while reader.is_alive():
+        client.flush()
+        time.sleep(0.001)
+    assert got == messages and not client.pending
+    monkeypatch.setattr(core_endpoint, "MAX_PENDING_BYTES", 1 << 20)
+    for m in messages:
+        client.send(m)
+    assert client.closed and not client.pending
+    client.close()
+    peer.close()
