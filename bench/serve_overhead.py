@@ -68,7 +68,7 @@ from typing import Awaitable, Callable, Optional
 import aiohttp
 import torch
 
-from cluster.app import AppArgs, engine_config
+from cluster.app import AppArgs, api_server_count, engine_config
 from cluster.benchmark.report import Summary, request_tpot
 from cluster.local_server import LocalServer
 from cluster.replica import replica_engine_config
@@ -200,8 +200,8 @@ async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload
 def server_cpu_seconds(root_pid: int) -> Optional[dict[str, float]]:
     """CPU seconds so far of the server's processes (descendants of `root_pid`) by role: `replica` (Ray's
     ServeReplica workers), `ingress` (those of ingress replicas), `engine_core` (the replicas' children: the engine
-    core, multiprocessing's helpers) and `front_door` (HAProxy, or Serve's proxy actor). None without psutil (Ray's own copy counts once ray is
-    imported)."""
+    core, multiprocessing's helpers) and `front_door` (HAProxy, or Serve's proxy actor). None without psutil (Ray's
+    own copy counts once ray is imported)."""
     try:
         import psutil
     except ImportError:
@@ -305,7 +305,7 @@ GPU_MEMORY_UTILIZATION = {"direct": 0.3, "serve": 0.6}
 
 def serve_flags(model: Optional[str], args: argparse.Namespace) -> list[str]:
     flags = ["--device", args.device, "--replicas", "1", "--tp", "1", "--ingress", args.ingress,
-             "--api-server-count", str(args.api_server_count)]
+             "--api-server-count", str(serving_processes(args))]
     if model is not None:
         flags += ["--model", model]
     if args.load_format != "auto":
@@ -332,7 +332,12 @@ def direct_config(model: Optional[str], args: argparse.Namespace) -> EngineConfi
 def direct_engine_config(model: Optional[str], args: argparse.Namespace) -> EngineConfig:
     """The engine a replica runs for that config: with the replica's stream-item budget (cluster.replica), so the
     direct engine reports as sparingly as the served one and only Serve differs between the paths."""
-    return replica_engine_config(direct_config(model, args), args.api_server_count)
+    return replica_engine_config(direct_config(model, args), serving_processes(args))
+
+
+def serving_processes(args: argparse.Namespace) -> int:
+    """`--api-server-count`, or what `tidal serve` picks on the device."""
+    return api_server_count(AppArgs(api_server_count=args.api_server_count), args.device)
 
 
 def overhead(serve: dict, direct: dict) -> dict:
@@ -428,8 +433,8 @@ def run(args: argparse.Namespace) -> dict:
             "ingress": args.ingress, "seed": args.seed, "input_len": args.input_len, "max_tokens": args.max_tokens,
             "warmup_requests": args.warmup, "idle_requests": args.idle_prompts, "loaded_requests": args.num_prompts,
             "gpu_memory_utilization": GPU_MEMORY_UTILIZATION if args.device == "cuda" else None,
-            "stream_item_ms": envs.stream_item_ms() / args.api_server_count,
-            "api_server_count": args.api_server_count,
+            "stream_item_ms": envs.stream_item_ms() / serving_processes(args),
+            "api_server_count": serving_processes(args),
             "counted": "generated tokens only (direct: streamed token ids; serve: usage.completion_tokens)",
             "method": __doc__.strip()}
 
@@ -452,8 +457,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                                             "repeat's Serve/direct figures")
     ap.add_argument("--ingress", default="auto", choices=["auto", "haproxy", "proxy"],
                     help="the front door `tidal serve` puts up (auto: HAProxy when installed)")
-    ap.add_argument("--api-server-count", type=int, default=1,
-                    help="`tidal serve --api-server-count`: HTTP processes streaming the replica's engine")
+    ap.add_argument("--api-server-count", type=int, default=None,
+                    help="`tidal serve --api-server-count`: HTTP processes streaming the replica's engine (default: "
+                         "tidal serve's on the device)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--streaming", action="store_true",
                     help="the direct engine and the front door only; writes the `streaming` section of --out")

@@ -24,6 +24,9 @@ from replicas.config import EngineConfig, unknown_settings_message
 from replicas.device import resolve_device
 
 UNBOUNDED = 1 << 20          # generation requests per replica when max_queued_requests is -1
+# On CUDA an engine steps fast enough that one serving process cannot write its streams' chunks at hundreds of
+# streams (docs/serving.md, "Ingress replicas"): each engine replica gets this many ingress replicas by default.
+CUDA_API_SERVER_COUNT = 4
 CONTROL_REQUESTS = 64        # Serve's headroom above the replica's queue, for the non-generating routes
 
 
@@ -64,8 +67,9 @@ class AppArgs(BaseModel):
     served_model_name: Optional[str] = None       # default: the engine's model name
     tensor_parallel_size: Optional[int] = None
     num_replicas: int = Field(1, ge=1)
-    # HTTP processes per engine replica (cluster/ingress_replica.py); 1: the engine replica serves HTTP itself
-    api_server_count: int = Field(1, ge=1, le=64)
+    # HTTP processes per engine replica (cluster/ingress_replica.py); 1: the engine replica serves HTTP itself;
+    # None: CUDA_API_SERVER_COUNT on CUDA, 1 on CPU
+    api_server_count: Optional[int] = Field(None, ge=1, le=64)
     autoscaling_config: Optional[dict[str, Any]] = None   # replaces num_replicas when set
     device: Optional[str] = None                  # auto | cpu | cuda; auto: cuda when the cluster has GPUs
     max_num_batched_tokens: Optional[int] = None
@@ -94,7 +98,7 @@ class AppArgs(BaseModel):
     @model_validator(mode="after")
     def _valid_engine(self) -> "AppArgs":
         EngineConfig.from_flat(**engine_settings(self))       # types, choices and bounds, before deploying
-        if self.api_server_count > 1 and self.autoscaling_config:
+        if (self.api_server_count or 1) > 1 and self.autoscaling_config:
             raise ValueError("api_server_count > 1 pairs a fixed number of ingress replicas with each engine "
                              "replica: give num_replicas, not autoscaling_config")
         return self
@@ -106,6 +110,14 @@ PROMOTED = ("model", "tensor_parallel_size", "device", "max_num_batched_tokens",
 def engine_settings(args: AppArgs) -> dict[str, Any]:
     """The flat engine settings of the app: `engine_kwargs`, and the PROMOTED top-level args that are set."""
     return {**args.engine_kwargs, **{k: getattr(args, k) for k in PROMOTED if getattr(args, k) is not None}}
+
+
+def api_server_count(args: AppArgs, device: str) -> int:
+    """The app's HTTP processes per engine replica: the one given, else CUDA_API_SERVER_COUNT on CUDA (1 with
+    autoscaling, which pairs no fixed count), else 1."""
+    if args.api_server_count is not None:
+        return args.api_server_count
+    return CUDA_API_SERVER_COUNT if device == "cuda" and not args.autoscaling_config else 1
 
 
 def cluster_device(device: str) -> str:
@@ -145,10 +157,10 @@ def build_app(args: AppArgs) -> Application:
         user_config=args.knobs)
     http = dict(api_key=args.api_key, served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                 request_timeout_s=args.request_timeout_s)
-    if args.api_server_count == 1:
+    count = api_server_count(args, config.device)
+    if count == 1:
         return LLMReplica.options(**scale, **engine_options, max_ongoing_requests=request_limit + CONTROL_REQUESTS
                                   ).bind(config, args.cpus_per_rank, request_limit=request_limit, **http)
-    count = args.api_server_count
     engines = LLMEngineReplica.options(num_replicas=args.num_replicas, **engine_options,
                                        max_ongoing_requests=CONTROL_REQUESTS).bind(
         config, args.cpus_per_rank, request_limit=request_limit, **http, ingress_replicas=count,

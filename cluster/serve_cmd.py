@@ -44,9 +44,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                           "Serve. Joins the cluster in RAY_ADDRESS if set, else starts a local one.")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
     p.add_argument("--replicas", type=int, default=1, help="number of replicas")
-    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+    p.add_argument("--api-server-count", type=int, default=None, metavar="N",
                    help="HTTP processes per replica, each streaming its requests from the replica's engine core "
-                        "(1: the replica serves HTTP itself)")
+                        "(1: the replica serves HTTP itself; default 4 on CUDA, 1 on CPU)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--ingress", choices=("auto", "haproxy", "proxy"), default="auto",
@@ -131,7 +131,7 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.app import api_server_count, build_app
     from cluster.reaper import start_reaper
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -187,14 +187,16 @@ def serve_until_stopped(args: argparse.Namespace) -> int:
         url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         model = _wait_until_healthy(url, READY_TIMEOUT_S)
         if routed_by_own_haproxy:
-            _wait_until_routed(args.replicas * args.api_server_count, READY_TIMEOUT_S)
+            _wait_until_routed(args.replicas * api_server_count(app_args, device), READY_TIMEOUT_S)
         serving.set()
         metrics = "" if joined else f", Prometheus metrics on :{args.metrics_port}"
         for replica_url in replica_urls(APP_NAME, args.host):
             print(f"tidal: replica direct ingress at {replica_url}/v1", flush=True)
         front = "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Serve proxy"
-        print(f"tidal: serving {model} at {url}/v1 ({front}; {args.replicas} replica(s) x TP{tp} on {device}"
-              f"{metrics}, Ray at {ray.get_runtime_context().gcs_address}); Ctrl-C to stop", flush=True)
+        ingress = api_server_count(app_args, device)
+        per_replica = f" with {ingress} ingress replicas each" if ingress > 1 else ""
+        print(f"tidal: serving {model} at {url}/v1 ({front}; {args.replicas} replica(s) x TP{tp}{per_replica} on "
+              f"{device}{metrics}, Ray at {ray.get_runtime_context().gcs_address}); Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             pass
         if cluster_lost.is_set():

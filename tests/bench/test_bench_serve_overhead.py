@@ -14,15 +14,18 @@ def test_direct_engine_config_is_what_tidal_serve_builds():
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers())
     for model, async_scheduling in ((None, None), ("/models/some.gguf", False), (None, True), (None, False)):
-        args = argparse.Namespace(device="cpu", load_format="auto", ingress="auto", async_scheduling=async_scheduling)
+        args = argparse.Namespace(device="cpu", load_format="auto", ingress="auto", async_scheduling=async_scheduling,
+                                  api_server_count=None)
         ns = parser.parse_args(["serve", *serve_flags(model, args)])
         served = engine_config(serve_app_args(ns))
         assert served == direct_config(model, args)
         assert served.scheduling.async_scheduling == async_scheduling
         assert ns.knob == [] and not ns.controller       # no runtime knob differs from the direct engine
     # on a GPU the two engines share it: only their memory shares differ
-    gpu = argparse.Namespace(device="cuda", load_format="auto", ingress="auto", async_scheduling=False)
+    gpu = argparse.Namespace(device="cuda", load_format="auto", ingress="auto", async_scheduling=False,
+                             api_server_count=None)
     ns = parser.parse_args(["serve", *serve_flags(None, gpu)])
+    assert serve_app_args(ns).api_server_count == 4      # tidal serve's default on CUDA, sent explicitly
     served = engine_config(serve_app_args(ns))
     direct = direct_config(None, gpu)
     assert served.cache.gpu_memory_utilization + direct.cache.gpu_memory_utilization > 0.85
@@ -43,8 +46,9 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
     assert engine["steps"] >= 4 and 0 < engine["prefill_steps"] <= engine["steps"]
     # the server's CPU during the loaded run, by role: the replica and its engine core both worked
     loaded = res["serve"]["loaded"]
-    assert set(loaded["server_cpu_s"]) == {"replica", "engine_core", "front_door"}
+    assert set(loaded["server_cpu_s"]) == {"replica", "ingress", "engine_core", "front_door"}
     assert loaded["server_cpu_s"]["replica"] > 0 and loaded["server_cpu_s"]["engine_core"] > 0
+    assert loaded["server_cpu_s"]["ingress"] == 0          # on CPU the replica serves HTTP itself
     assert 4 <= loaded["chunks"] <= 4 * 4 and loaded["server_cpu_us_per_chunk"]["replica"] == \
         1e6 * loaded["server_cpu_s"]["replica"] / loaded["chunks"]
     assert "server_cpu_s" not in res["direct"]["loaded"]

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from cluster.app import PROMOTED, AppArgs, engine_config
+from cluster.app import CUDA_API_SERVER_COUNT, PROMOTED, AppArgs, api_server_count, engine_config
 from cluster.serve_cmd import add_serve_parser, serve_app_args
 from replicas.config import EngineConfig, Setting
 from replicas.llm import llm_engine_config
@@ -147,6 +147,21 @@ def test_bad_values_are_refused_with_the_setting_name():
         AppArgs(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="is a group"):
         EngineConfig(elastic="elastic")
+
+
+def test_api_server_count_defaults_by_device_and_refuses_autoscaling():
+    """4 ingress replicas per engine replica on CUDA, none (the replica serves HTTP) on CPU or with autoscaling;
+    a count given wins; a fixed count with autoscaling is refused."""
+    assert api_server_count(AppArgs(), "cuda") == CUDA_API_SERVER_COUNT == 4
+    assert api_server_count(AppArgs(), "cpu") == 1
+    assert api_server_count(AppArgs(api_server_count=2), "cpu") == 2
+    assert api_server_count(AppArgs(autoscaling_config={"min_replicas": 1}), "cuda") == 1
+    with pytest.raises(ValidationError, match="api_server_count > 1"):
+        AppArgs(api_server_count=2, autoscaling_config={"min_replicas": 1})
+    with pytest.raises(ValidationError):
+        AppArgs(api_server_count=0)
+    args = parser().parse_args(["serve", "--device", "cpu", "--api-server-count", "3"])
+    assert serve_app_args(args).api_server_count == 3
 
 
 # `tidal serve --help` before its engine flags were generated from EngineConfig (flag, a value it takes or None
