@@ -3,7 +3,7 @@
 
 `EngineReplica` (cluster/replica.py) runs it over the engine it owns; `IngressReplica` (cluster/ingress_replica.py)
 over a connection to another replica's engine core. The subclass sets `engine` (an `EngineClient`), `admission`,
-`replica_id`, `request_timeout_s` and `_tool_support`, and calls `_init_routes`.
+`replica_id`, `request_timeout_s`, `_tool_support` and `metrics` (a `MetricsPump`), and calls `_init_routes`.
 """
 from __future__ import annotations
 
@@ -165,6 +165,15 @@ class EngineFrontend(OpenAIRoutes):
         if not health.alive:
             return "its core is not running"
         return None
+
+    def __del__(self):
+        # Serve calls this after in-flight requests drained; idempotent (tests call it before the GC does).
+        metrics, self.metrics = getattr(self, "metrics", None), None
+        if metrics is not None:
+            metrics.stop()
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
 
     def check_health(self) -> None:
         problem = self.engine_problem()

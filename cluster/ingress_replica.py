@@ -89,14 +89,6 @@ class IngressReplica(EngineFrontend):
         return await asyncio.to_thread(
             lambda: self.engines.broadcast("describe").results(timeout_s=30, return_exceptions=True))
 
-    def __del__(self):
-        metrics, self.metrics = getattr(self, "metrics", None), None
-        if metrics is not None:
-            metrics.stop()
-        engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            engine.shutdown()
-
 
 # Serve replaces an ingress replica whose engine went away after three failed checks (about 6 s).
 LLMIngress = serve.deployment(

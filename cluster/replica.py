@@ -182,19 +182,13 @@ class EngineReplica(EngineFrontend):
             time.sleep(0.2)
 
     def __del__(self):
-        # Serve calls this after in-flight requests drained (graceful_shutdown_timeout_s).
-        # The engine shuts its TP ranks' launcher down too. Idempotent: tests call it before the GC does.
+        # The engine shuts its TP ranks' launcher down too.
         if getattr(self, "ingress_replicas", 0) and getattr(self, "engine", None) is not None:
             try:
                 self._await_ingress_drain()
             except Exception:  # noqa: BLE001 - the engine stops either way
                 logger.warning("waiting for the ingress replicas' drain failed", exc_info=True)
-        metrics, self.metrics = getattr(self, "metrics", None), None
-        if metrics is not None:
-            metrics.stop()
-        engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            engine.shutdown()
+        super().__del__()
 
 
 class ServedEngineReplica(EngineReplica):

@@ -6,7 +6,6 @@ fails the streams in flight with `engine_unavailable`, and the server serves aga
 replicas."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 import requests
-from tests.support.serve import processes_titled, wait_serving
+from tests.support.serve import burst_completion_tokens, processes_titled, wait_serving
 
 from replicas import LLM, SamplingParams
 
@@ -90,19 +89,7 @@ def test_64_streams_through_two_ingress_replicas(server):
 
 
 def test_a_burst_is_queued_and_each_ingress_admits_half_the_limit(server):
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0)
-
-    async def burst():
-        async def one(i):
-            out = await client.completions.create(model=MODEL, prompt=f"Question {i}:", max_tokens=16, temperature=0,
-                                                  extra_body={"ignore_eos": True})
-            return out.usage.completion_tokens
-        try:
-            return await asyncio.gather(*(one(i) for i in range(4 * MAX_SEQS)))
-        finally:
-            await client.close()
-
-    assert asyncio.run(burst()) == [16] * (4 * MAX_SEQS)
+    assert burst_completion_tokens(server, MODEL, 4 * MAX_SEQS, 16) == [16] * (4 * MAX_SEQS)
     limits = wait_for(lambda: [v for v in exported(server, "ray_tidal_max_queued_tokens").values()] or None, 60,
                       "Ray exported no admission limit")
     assert sorted(limits) == [TOKEN_LIMIT // 2] * 2, limits

@@ -20,7 +20,7 @@ import pytest
 import requests
 from tests.support.checkpoints import make_tiny_llama
 from tests.support import REPO
-from tests.support.serve import processes_titled, wait_serving
+from tests.support.serve import burst_completion_tokens, processes_titled, wait_serving
 
 from cluster.admission import MAX_RETRY_AFTER_S, RETRY_WINDOW_S, Admission, Refused, request_tokens
 from cluster.protocol import ChoiceDelta, GenerationJob, StreamFailure, StreamStart
@@ -227,20 +227,7 @@ def admission_of(server) -> dict:
 
 
 def test_a_burst_of_four_times_max_num_seqs_is_queued_not_refused(admission_server):
-    client = openai.AsyncOpenAI(base_url=f"{admission_server.url}/v1", api_key="unused", timeout=600,
-                                max_retries=0)
-
-    async def burst():
-        async def one(i):
-            out = await client.completions.create(model=TINY, prompt=f"Question {i}:", max_tokens=16, temperature=0,
-                                                  extra_body={"ignore_eos": True})
-            return out.usage.completion_tokens
-        try:
-            return await asyncio.gather(*(one(i) for i in range(4 * ADMISSION_SEQS)))
-        finally:
-            await client.close()
-
-    assert asyncio.run(burst()) == [16] * (4 * ADMISSION_SEQS)
+    assert burst_completion_tokens(admission_server, TINY, 4 * ADMISSION_SEQS, 16) == [16] * (4 * ADMISSION_SEQS)
     admission = admission_of(admission_server)
     assert (admission["requests"], admission["tokens"], admission["refused"]) == (0, 0, {"tokens": 0, "requests": 0})
     assert admission["token_limit"] == ADMISSION_TOKENS

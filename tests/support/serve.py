@@ -45,3 +45,25 @@ def wait_serving(server: LocalServer, model: str, within_s: float, headers: Opti
             pass
         assert time.monotonic() < deadline, f"not serving within {within_s} s:\n{server.log_tail()}"
         time.sleep(0.5)
+
+
+def burst_completion_tokens(server: LocalServer, model: str, requests_at_once: int, max_tokens: int) -> list[int]:
+    """`requests_at_once` completions sent together with the openai SDK (no retries); each one's
+    completion_tokens, in order. A refusal raises."""
+    import asyncio
+
+    import openai
+
+    async def burst() -> list[int]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=600, max_retries=0)
+
+        async def one(i: int) -> int:
+            out = await client.completions.create(model=model, prompt=f"Question {i}:", max_tokens=max_tokens,
+                                                  temperature=0, extra_body={"ignore_eos": True})
+            return out.usage.completion_tokens
+        try:
+            return await asyncio.gather(*(one(i) for i in range(requests_at_once)))
+        finally:
+            await client.close()
+
+    return asyncio.run(burst())
