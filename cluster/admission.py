@@ -138,6 +138,8 @@ class Ticket:
             self.admission._release(self.tokens)
 
 
-def admission_for(token_limit: Optional[int], kv_tokens: int, request_limit: int) -> Admission:
-    """The replica's admission: `token_limit`, or KV_MULTIPLE x the tokens its KV cache holds."""
-    return Admission(token_limit if token_limit is not None else KV_MULTIPLE * kv_tokens, request_limit)
+def admission_for(token_limit: Optional[int], kv_tokens: int, request_limit: int, share: int = 1) -> Admission:
+    """One serving process's admission: `token_limit`, or KV_MULTIPLE x the tokens its KV cache holds, and
+    `request_limit`, each divided among the `share` processes that admit into the same engine (ingress replicas)."""
+    tokens = token_limit if token_limit is not None else KV_MULTIPLE * kv_tokens
+    return Admission(max(1, tokens // share), max(1, request_limit // share))

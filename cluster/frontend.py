@@ -3,11 +3,12 @@
 
 `EngineReplica` (cluster/replica.py) runs it over the engine it owns; `IngressReplica` (cluster/ingress_replica.py)
 over a connection to another replica's engine core. The subclass sets `engine` (an `EngineClient`), `admission`,
-`replica_id`, `request_timeout_s`, `_tool_support` and `metrics` (a `MetricsPump`), and calls `_init_routes`.
+`replica_id`, `request_timeout_s` and `metrics` (a `MetricsPump`), and calls `_init_routes`.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import AsyncIterator, Optional, Union
 
@@ -152,6 +153,11 @@ class EngineFrontend(OpenAIRoutes):
 
     def tool_support(self) -> ToolSupport:
         return self._tool_support
+
+    @functools.cached_property
+    def _tool_support(self) -> ToolSupport:
+        templates = self.engine.tokenizer.chat_templates
+        return ToolSupport.of_template(templates.get("tool_use") or templates.get("default"))
 
     def max_schema_bytes(self) -> int:
         return self.engine.config.limits.max_schema_bytes

@@ -29,7 +29,6 @@ from cluster.frontend import EngineFrontend
 from cluster.ingress import DEFAULT_MAX_BODY_BYTES, app
 from cluster.replica import DEFAULT_REQUEST_TIMEOUT_S, _replica_id, _replica_rank, replica_engine_config
 from cluster.replica_metrics import MetricsPump
-from cluster.tool_calls import ToolSupport
 from replicas.config import EngineConfig
 from replicas.remote_engine import RemoteEngine
 from replicas.startup_heap import freeze_startup_heap
@@ -56,12 +55,8 @@ class IngressReplica(EngineFrontend):
             endpoint = pool.submit(self._find_engine, rank % num_engines).result()
         self.engine_replica_id = endpoint["replica_id"]
         self.engine = RemoteEngine(endpoint["address"], replica_engine_config(engine_config))
-        templates = self.engine.tokenizer.chat_templates
-        self._tool_support = ToolSupport.of_template(templates.get("tool_use") or templates.get("default"))
-        share = ingresses_per_engine
-        token_limit = engine_config.serving.max_queued_tokens
-        self.admission = admission_for(None if token_limit is None else max(1, token_limit // share),
-                                       max(1, self.engine.info.kv_tokens // share), max(1, request_limit // share))
+        self.admission = admission_for(engine_config.serving.max_queued_tokens, self.engine.info.kv_tokens,
+                                       request_limit, share=ingresses_per_engine)
         self.metrics = MetricsPump(None, self.engine.model_name, self.replica_id, admission=self.admission.snapshot)
         self.metrics.start()
         freeze_startup_heap()

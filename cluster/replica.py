@@ -26,7 +26,6 @@ from cluster.ingress import DEFAULT_MAX_BODY_BYTES, app
 from cluster.rank_actor import RayRankLauncher
 from cluster.recent_requests import RecentRequests
 from cluster.replica_metrics import MetricsPump
-from cluster.tool_calls import ToolSupport
 from replicas.async_engine import AsyncLLMEngine
 from replicas import envs
 from replicas.config import EngineConfig
@@ -89,8 +88,6 @@ class EngineReplica(EngineFrontend):
         self.ingress_replicas, self.drain_s = ingress_replicas, drain_s
         self.engine = AsyncLLMEngine(replica_engine_config(engine_config, max(1, ingress_replicas)),
                                      worker_launcher=self.launcher)
-        templates = self.engine.tokenizer.chat_templates
-        self._tool_support = ToolSupport.of_template(templates.get("tool_use") or templates.get("default"))
         self.admission = admission_for(engine_config.serving.max_queued_tokens, self.engine.info.kv_tokens,
                                        request_limit)
         self._peers = None                   # this deployment's handle, for /stats

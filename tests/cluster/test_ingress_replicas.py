@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -81,9 +82,10 @@ def test_64_streams_through_two_ingress_replicas(server):
     assert len(stats) == 1 and stats[0]["stats"]["num_running"] == 0 and stats[0]["stats"]["kv_blocks_used"] == 0
     # Serve counts the requests each ingress replica took: HAProxy spread the 64 streams over both.
     def ingress_counts():
-        counts = {k: v for k, v in exported(server, "ray_serve_deployment_request_counter").items()
-                  if 'deployment="IngressReplica"' in k and v > 0}
-        return counts if len(counts) == 2 else None
+        replicas = {re.search(r'replica="([^"]+)"', k).group(1)
+                    for k, v in exported(server, "ray_serve_deployment_request_counter").items()
+                    if 'deployment="IngressReplica"' in k and 'route="/v1/completions"' in k and v > 0}
+        return replicas if len(replicas) == 2 else None
 
     wait_for(ingress_counts, 90, "Serve exported requests on fewer than two ingress replicas")
 
