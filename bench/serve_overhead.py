@@ -24,10 +24,11 @@ replicas would use) with fresh prompts of the same kind (`replica_direct_ingress
 The direct engine stays up beside the server and every repeat runs all three paths, in an order that rotates:
 each Serve run is compared with the direct run of its own repeat (the shared machines drift), and the headline
 figures are the medians over repeats (`each_repeat`; `serve_runs`, `direct_runs`: every run's details).
-Each path: the warm-up set (all at once), the idle set one request at a time (concurrency 1), then the loaded
-set in a closed loop of --concurrency streams. Throughput = output tokens / wall time from the first send to
-the last token. process_cpu_s: this process's CPU time during a run (engine caller and client on the direct
-path, only the HTTP client on a Serve path: close to `seconds` would mean the client set the Serve figure).
+Each path: the warm-up set (--warmup, default --concurrency, all at once), the idle set one request at a
+time (concurrency 1), then the loaded set in a closed loop of --concurrency streams. Throughput = output tokens
+/ wall time from the first send to the last token. process_cpu_s: this process's CPU time during a run (engine
+caller and client on the direct path, only the HTTP client on a Serve path: close to `seconds` would mean the
+client set the Serve figure).
 Streaming figures of every run: TPOT per request ((last token - first token) / (tokens - 1), from the client's
 clock: `tpot_ms` mean/median/p90/p99) and ITL, the gaps between a request's consecutive chunks that carry tokens,
 all requests pooled (`itl_ms`; direct: engine outputs, Serve: SSE chunks with a choice), and those of the
@@ -35,8 +36,9 @@ steady state alone (`itl_ms_steady`: both chunks after the opening wave of --con
 first token and before the last request was sent, so neither the burst of first prefills nor the drain counts).
 A request that fails (an HTTP error, an error event, an incomplete stream) is counted in `failed`, not measured.
 The loaded run also records the engine's counters meanwhile (`engine`: tokens per step, ms per step, steps
-that ran a prefill; direct: `AsyncLLMEngine.stats()`, Serve: GET /stats): a slower path either left the engine
-fewer requests to batch or made its steps slower. On a Serve path it also records the CPU seconds the server's
+that ran a prefill, mean requests running and waiting in the engine sampled every 0.1 s; direct:
+`AsyncLLMEngine.stats()`, Serve: GET /stats): a slower path either left the engine fewer requests to batch or
+made its steps slower. On a Serve path it also records the CPU seconds the server's
 processes spent on it by role (`server_cpu_s`: replica, ingress replicas, engine core, front door) and per chunk
 streamed (`server_cpu_us_per_chunk`; `chunks`: the chunks that carried tokens): what the stream-item budget is set
 against.
@@ -172,24 +174,45 @@ def steady_gaps(streams: list[Stream], concurrency: int) -> list[float]:
     return [b - a for s in streams if not s.error for a, b in zip(s.chunks, s.chunks[1:]) if begin <= a and b <= end]
 
 
-Counters = Callable[[], Awaitable[tuple[int, int, int]]]
+COUNTED = ("num_steps", "prefill_steps", "generation_tokens", "num_running", "num_waiting")
+Counters = Callable[[], Awaitable[dict[str, int]]]
+SAMPLE_EVERY_S = 0.1            # how often the loaded run samples the engine's running and waiting requests
+
+
+async def sample_queue(counters: Counters, samples: list[tuple[int, int]]) -> None:
+    """Until cancelled: the engine's (running, waiting) requests every SAMPLE_EVERY_S."""
+    while True:
+        c = await counters()
+        samples.append((c["num_running"], c["num_waiting"]))
+        await asyncio.sleep(SAMPLE_EVERY_S)
 
 
 async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload, counters: Counters,
                   cpu: Optional[Callable[[], Optional[dict[str, float]]]] = None) -> dict:
     """The three sets; the loaded run also records the engine's steps and generated tokens meanwhile (its mean
-    batch and step time: whether a slower path starved the engine of requests or slowed its steps), and with
-    `cpu` (CPU seconds so far per server role) what each role spent on it, in all and per streamed chunk."""
+    batch and step time: whether a slower path starved the engine of requests or slowed its steps) and the
+    requests it held, running and waiting, sampled every SAMPLE_EVERY_S (fewer running than --concurrency with none
+    waiting: requests spent the difference between the client and the engine), and with `cpu` (CPU seconds so far
+    per server role) what each role spent on it, in all and per streamed chunk."""
     await closed_loop(send, work.warmup, max(1, len(work.warmup)))
     idle = summarize(*await closed_loop(send, work.idle, 1), concurrency=1)
-    steps0, prefills0, tokens0 = await counters()
+    before = await counters()
     cpu0 = cpu() if cpu is not None else None
-    loaded = summarize(*await closed_loop(send, work.loaded, work.concurrency), concurrency=work.concurrency)
+    samples: list[tuple[int, int]] = []
+    sampler = asyncio.create_task(sample_queue(counters, samples))
+    try:
+        loaded = summarize(*await closed_loop(send, work.loaded, work.concurrency), concurrency=work.concurrency)
+    finally:
+        sampler.cancel()
     cpu1 = cpu() if cpu0 is not None else None
-    steps1, prefills1, tokens1 = await counters()
-    steps = max(1, steps1 - steps0)
-    loaded["engine"] = {"steps": steps1 - steps0, "prefill_steps": prefills1 - prefills0,
-                        "mean_tokens_per_step": (tokens1 - tokens0) / steps, "step_ms": 1e3 * loaded["seconds"] / steps}
+    after = await counters()
+    steps = max(1, after["num_steps"] - before["num_steps"])
+    loaded["engine"] = {"steps": after["num_steps"] - before["num_steps"],
+                        "prefill_steps": after["prefill_steps"] - before["prefill_steps"],
+                        "mean_tokens_per_step": (after["generation_tokens"] - before["generation_tokens"]) / steps,
+                        "step_ms": 1e3 * loaded["seconds"] / steps,
+                        "mean_running": statistics.fmean(r for r, _ in samples) if samples else None,
+                        "mean_waiting": statistics.fmean(w for _, w in samples) if samples else None}
     if cpu0 is not None and cpu1 is not None:
         spent = {role: cpu1[role] - cpu0[role] for role in cpu0}
         loaded["server_cpu_s"] = spent
@@ -243,9 +266,9 @@ async def measure_direct(engine: AsyncLLMEngine, work: Workload) -> dict:
             tokens += n
         return Stream(start, tuple(chunks), tokens)
 
-    async def counters() -> tuple[int, int, int]:
+    async def counters() -> dict[str, int]:
         stats = await asyncio.to_thread(engine.stats)
-        return stats.num_steps, stats.prefill_steps, stats.generation_tokens
+        return {k: getattr(stats, k) for k in COUNTED}
 
     return await measure(send, work, counters)
 
@@ -277,10 +300,10 @@ async def measure_serve(base_url: str, model_id: str, work: Workload, server_pid
                 raise RuntimeError(f"incomplete stream (done={done}, chunks={len(chunks)}, usage={usage})")
             return Stream(start, tuple(chunks), int(usage["completion_tokens"]))
 
-        async def counters() -> tuple[int, int, int]:
+        async def counters() -> dict[str, int]:
             async with session.get(f"{base_url}/stats") as resp:
                 stats = [r["stats"] for r in (await resp.json())["data"]]
-            return tuple(sum(s[k] for s in stats) for k in ("num_steps", "prefill_steps", "generation_tokens"))
+            return {k: sum(s[k] for s in stats) for k in COUNTED}
 
         return await measure(send, work, counters,
                              (lambda: server_cpu_seconds(server_pid)) if server_pid is not None else None)
@@ -447,7 +470,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--device", default=resolve_device().type, choices=["cuda", "cpu"])
     ap.add_argument("--num-prompts", type=int, default=256, help="requests of the loaded run")
     ap.add_argument("--idle-prompts", type=int, default=32, help="requests of the one-at-a-time run")
-    ap.add_argument("--warmup", type=int, default=8, help="warm-up requests on each path")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up requests on each path, all at once (default: --concurrency, so that the loaded "
+                         "run's batch sizes and prefill chunks have run once before it is timed)")
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
     ap.add_argument("--concurrency", type=int, default=None,
@@ -470,6 +495,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = ap.parse_args(argv)
     if args.concurrency is None:
         args.concurrency = 256 if args.streaming else 64
+    if args.warmup is None:
+        args.warmup = args.concurrency
     res = run(args)
     if args.streaming:
         section = {**streaming_over_repeats(res["serve_runs"], res["direct_runs"]),

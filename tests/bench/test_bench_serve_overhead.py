@@ -44,6 +44,10 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
     assert res["direct_runs"] == [res["direct"]] and res["serve_runs"] == [res["serve"]]
     engine = res["serve"]["loaded"]["engine"]
     assert engine["steps"] >= 4 and 0 < engine["prefill_steps"] <= engine["steps"]
+    # the engine's requests, sampled during the loaded run: never more running than the closed loop keeps in flight
+    for path in ("serve", "direct"):
+        sampled = res[path]["loaded"]["engine"]
+        assert 0 <= sampled["mean_running"] <= 2 and 0 <= sampled["mean_waiting"] <= 2
     # the server's CPU during the loaded run, by role: the replica and its engine core both worked
     loaded = res["serve"]["loaded"]
     assert set(loaded["server_cpu_s"]) == {"replica", "ingress", "engine_core", "front_door"}
