@@ -33,7 +33,8 @@ Streaming figures of every run: TPOT per request ((last token - first token) / (
 clock: `tpot_ms` mean/median/p90/p99) and ITL, the gaps between a request's consecutive chunks that carry tokens,
 all requests pooled (`itl_ms`; direct: engine outputs, Serve: SSE chunks with a choice), and those of the
 steady state alone (`itl_ms_steady`: both chunks after the opening wave of --concurrency requests all had their
-first token and before the last request was sent, so neither the burst of first prefills nor the drain counts).
+first token and before the last request was sent, so neither the burst of first prefills nor the drain counts);
+`ttft_ms_after_opening_wave`: the TTFT of the requests sent after the first --concurrency.
 A request that fails (an HTTP error, an error event, an incomplete stream) is counted in `failed`, not measured.
 The loaded run also records the engine's counters meanwhile (`engine`: tokens per step, ms per step, steps
 that ran a prefill, mean requests running and waiting in the engine sampled every 0.1 s; direct:
@@ -160,6 +161,8 @@ def summarize(streams: list[Stream], seconds: float, cpu_seconds: float, concurr
             "tpot_ms": asdict(Summary.of_seconds([t for t in tpots if t is not None])),
             "itl_ms": asdict(Summary.of_seconds(gaps)),
             "itl_ms_steady": asdict(Summary.of_seconds(steady_gaps(streams, concurrency))),
+            "ttft_ms_after_opening_wave": asdict(Summary.of_seconds(
+                [s.ttft_s for s in streams[concurrency:] if not s.error])),
             "process_cpu_s": cpu_seconds, "ended_at": time.time()}
 
 

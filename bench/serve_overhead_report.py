@@ -13,7 +13,8 @@ def progress(name: str, result: dict) -> None:
     engine = loaded["engine"]
     failed = idle["failed"] + loaded["failed"]
     print(f"{name}: idle TTFT median {idle['ttft_ms']['median']:.2f} ms, TPOT mean {idle['tpot_ms']['mean']:.2f} ms; "
-          f"loaded {loaded['output_tok_s']:.0f} tok/s, TTFT median {loaded['ttft_ms']['median']:.2f} ms, TPOT mean "
+          f"loaded {loaded['output_tok_s']:.0f} tok/s, TTFT median {loaded['ttft_ms']['median']:.2f} ms (after the "
+          f"opening wave {loaded.get('ttft_ms_after_opening_wave', {}).get('median', 0):.2f}), TPOT mean "
           f"{loaded['tpot_ms']['mean']:.2f} ms, ITL median {loaded['itl_ms']['median']:.2f} / p99 "
           f"{loaded['itl_ms']['p99']:.2f} ms{f'; {failed} FAILED' if failed else ''}; engine "
           f"{engine['mean_tokens_per_step']:.1f} tokens "
