@@ -242,8 +242,10 @@ class SpeculativeConfig(_Checked):
 class GraphsConfig(_Checked):
     """CUDA graphs of the engine's steps (GPU)."""
     enforce_eager: bool = setting(False, "no CUDA graphs (GPU)")
-    mixed_graph_tokens: int = setting(1024, "steps with prefill chunks of up to this many tokens replay CUDA "
-                                            "graphs (0: they run eagerly)", minimum=0)
+    mixed_graph_tokens: Optional[int] = setting(None, "steps with prefill chunks of up to this many tokens replay "
+                                                      "CUDA graphs (0: they run eagerly; default: every step for a "
+                                                      "model whose full step's activations take at most 1% of the "
+                                                      "GPU, with elastic KV off; else 1024)", minimum=0)
 
 
 @dataclass(frozen=True)

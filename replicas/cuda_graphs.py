@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -35,10 +35,36 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
+# The mixed graphs' bound for a model whose full step is not small (below): past it a step's device work
+# outweighs the launches an eager step spends, and the elastic reserve holds the activations of larger steps.
+MIXED_GRAPH_TOKENS = 1024
+# A model whose full `max_num_batched_tokens` step needs at most this fraction of the device's memory for its
+# activations gets graphs for every step size: its eager steps are launch-bound at any size (the device work of a
+# full step is shorter than issuing its kernels from Python), and their memory is not worth lending.
+SMALL_STEP_FRACTION = 0.01
+
+
 def mixed_token_sizes(max_tokens: int) -> list[int]:
-    """Token buckets of the mixed graphs: up to the first that holds `max_tokens` (at most 1,024; 0: none)."""
+    """Token buckets of the mixed graphs, up to the first that holds `max_tokens` (0: none): 16 to 1,024 as below,
+    then four per doubling (1,280, 1,536, 1,792, 2,048, 2,560, ...), so padding adds at most a quarter."""
     sizes = [16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024]
+    while sizes[-1] < max_tokens:
+        sizes.append(sizes[-1] + (1 << (sizes[-1].bit_length() - 1)) // 4)
     return [s for i, s in enumerate(sizes) if max_tokens > 0 and (i == 0 or sizes[i - 1] < max_tokens)]
+
+
+def mixed_graph_limit(config, step_activation_bytes: Optional[int], device_bytes: Optional[int]) -> int:
+    """The largest step with prefill chunks that replays a graph: `GraphsConfig.mixed_graph_tokens` when set;
+    otherwise every step (`max_num_batched_tokens`) when a full step's measured activations are a small fraction of
+    the device (SMALL_STEP_FRACTION) and elastic KV is off (with it on, larger steps run in the reserve), else
+    MIXED_GRAPH_TOKENS."""
+    budget = config.scheduling.max_num_batched_tokens
+    limit = config.graphs.mixed_graph_tokens
+    if limit is None:
+        small = (step_activation_bytes is not None and device_bytes
+                 and step_activation_bytes <= SMALL_STEP_FRACTION * device_bytes)
+        limit = budget if small and config.elastic.mode == "off" else MIXED_GRAPH_TOKENS
+    return min(limit, budget)
 
 
 @dataclass

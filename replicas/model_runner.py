@@ -83,6 +83,7 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.graphs = None
         self.gemm_table = None               # decode GEMM choice per (N, K) and bucket (replicas/layers/gemm_select.py)
+        self.step_activation_bytes = None    # a full step's activation peak, once profiled (sizes the mixed graphs)
         self.graph_aux_layers: tuple[int, ...] = ()     # the drafter's target layers, once a speculator asks
         self.last_aux_hidden: list[torch.Tensor] = []
         self.backend = self._make_backend()
@@ -194,7 +195,7 @@ class ModelRunner:
         when they were rebuilt, with the verify graphs the released ones had."""
         if not self._graphs_enabled():
             return
-        from replicas.cuda_graphs import StepGraphs, graph_batch_sizes
+        from replicas.cuda_graphs import StepGraphs, graph_batch_sizes, mixed_graph_limit
         from replicas.layers.gemm_select import tune_linear_layers
 
         if self.gemm_table is None:          # once, before the first capture: the graphs bake the choice in
@@ -204,7 +205,8 @@ class ModelRunner:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         self.graphs = StepGraphs(self.model, self.device, sched.max_num_seqs, -(-self.max_model_len // self.block_size),
                                  self.max_model_len,
-                                 min(self.config.graphs.mixed_graph_tokens, sched.max_num_batched_tokens))
+                                 mixed_graph_limit(self.config, self.step_activation_bytes,
+                                                   torch.cuda.get_device_properties(self.device).total_memory))
         self.graphs.capture()
         if self.graph_aux_layers:
             self.graphs.capture(self.graph_aux_layers)
@@ -287,6 +289,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.release_kv_caches()
         torch.cuda.empty_cache()
+        self.step_activation_bytes = int(peak)
         return int(peak)
 
     @torch.inference_mode()

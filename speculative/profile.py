@@ -32,9 +32,9 @@ from speculative.draft_tree import DraftTree
 # trained block drafters reach, so the policy stays conservative. Flat in n, so the policy picks the cheapest
 # budget that beats plain decoding.
 PRIOR_ACCEPTED = 1.0
-# Verify graphs are captured for steps of at most this many tokens (batch bucket x (1 + nodes)), the bound of the
-# mixed-step graphs (GraphsConfig.mixed_graph_tokens' default): a small model's eager step stays launch-bound far
-# past it, so the graph removes most of the step, and the graphs' memory stays bounded.
+# Verify graphs are captured for steps of at most this many tokens (batch bucket x (1 + nodes)), the mixed-step
+# graphs' bound for a model that is not small (cuda_graphs.MIXED_GRAPH_TOKENS): a small model's eager step stays
+# launch-bound far past it, so the graph removes most of the step, and the graphs' memory stays bounded.
 VERIFY_GRAPH_TOKENS = 1024
 # The largest batch profiled on a CPU (larger batches then never speculate): there a forward's cost grows with its
 # tokens from the first one, so a verify step of b x (1 + n) tokens only pays at small b, and profiling larger

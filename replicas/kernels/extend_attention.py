@@ -54,7 +54,13 @@ def _attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, key_pos, key
     return m_new, l_i, acc
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (Triton would compile a variant per
+# value class: == 1, divisible by 16, other), and the lane count is one power of two for every batch up to
+# LANES: a variant compiled in the middle of serving stalls the engine for the length of a compile.
+LANES = 256
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "stride_tree_b", "stride_tree_i", "window"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr, tree_ptr,
     tile_ends_ptr, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh,
@@ -183,7 +189,7 @@ def paged_extend_attention(q: Tensor, kv_cache: Tensor, batch: AttentionBatch, s
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         CAUSAL=spec.causal, HAS_TREE=tree is not None, HAS_WINDOW=spec.sliding_window is not None,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        BLOCK_B=max(16, triton.next_power_of_2(num_seqs)),
+        BLOCK_B=max(LANES, triton.next_power_of_2(num_seqs)),
         num_warps=8 if block_m >= 128 else 4, num_stages=tuning.num_stages,
     )
     return out

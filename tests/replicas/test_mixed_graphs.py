@@ -7,7 +7,8 @@ import torch
 
 from tests.support.checkpoints import make_tiny_llama
 from replicas import LLM
-from replicas.cuda_graphs import mixed_token_sizes
+from replicas.config import EngineConfig
+from replicas.cuda_graphs import mixed_graph_limit, mixed_token_sizes
 from tests.support.graphs import install_graphs
 from tests.support.greedy import compare_greedy, plain_greedy_case
 from tests.support.steps import mixed_step, random_verify_step
@@ -25,7 +26,22 @@ def test_mixed_token_buckets():
     assert mixed_token_sizes(0) == []
     assert mixed_token_sizes(64) == [16, 32, 64]
     assert mixed_token_sizes(100) == [16, 32, 64, 128]                 # the first bucket that holds the budget
-    assert mixed_token_sizes(8192)[-1] == 1024
+    sizes = mixed_token_sizes(8192)
+    assert sizes[:12] == [16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024] and sizes[-1] == 8192
+    assert sizes[12:16] == [1280, 1536, 1792, 2048]                      # four per doubling past 1,024
+    assert all(b <= 1.25 * a for a, b in zip(sizes[11:], sizes[12:]))     # padding adds at most a quarter
+
+
+def test_mixed_graph_limit_covers_every_step_only_for_a_small_step_with_elastic_off():
+    cfg = EngineConfig.from_flat(max_num_batched_tokens=8192)
+    gib = 1 << 30
+    assert mixed_graph_limit(cfg, gib // 200, 100 * gib) == 8192          # 0.5% of the device: every step
+    assert mixed_graph_limit(cfg, 2 * gib, 100 * gib) == 1024             # 2%: the activations are worth lending
+    assert mixed_graph_limit(cfg, None, None) == 1024                     # not profiled
+    assert mixed_graph_limit(cfg.with_(elastic="elastic"), gib // 200, 100 * gib) == 1024
+    assert mixed_graph_limit(cfg.with_(mixed_graph_tokens=0), gib // 200, 100 * gib) == 0
+    assert mixed_graph_limit(cfg.with_(mixed_graph_tokens=4096), 2 * gib, 100 * gib) == 4096
+    assert mixed_graph_limit(cfg.with_(max_num_batched_tokens=512), None, None) == 512
 
 
 def test_graphed_mixed_steps_equal_eager(folder):

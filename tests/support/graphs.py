@@ -1,7 +1,7 @@
 """A CPU stand-in for the runner's CUDA graphs: the real buffer logic of `StepGraphs` (static inputs, padded
 buckets and lanes, aux-layer variants, tree masks, mixed steps' empty lanes) with a replay that reruns the model
 eagerly on the static buffers, as a CUDA graph would."""
-from replicas.cuda_graphs import StepGraphs, GraphEntry
+from replicas.cuda_graphs import GraphEntry, StepGraphs, mixed_graph_limit
 
 
 class EagerReplayGraphs(StepGraphs):
@@ -47,7 +47,7 @@ def install_graphs(llm):
     cfg = llm.engine.config
     runner.graphs = EagerReplayGraphs(runner.backend, runner.model, runner.device, cfg.scheduling.max_num_seqs,
                                       -(-runner.max_model_len // runner.block_size), runner.max_model_len,
-                                      min(cfg.graphs.mixed_graph_tokens, cfg.scheduling.max_num_batched_tokens))
+                                      mixed_graph_limit(cfg, None, None))
     runner.graphs.capture()
     if llm.engine.speculator is not None:
         runner.capture_aux_graphs(llm.engine.speculator.aux_layers)
