@@ -20,7 +20,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Optional
 
 import torch
@@ -37,6 +37,13 @@ FEATURE_NOTES = {
     "cached": "cached: each worker's frozen target computes its shard's hidden states once, before the first step "
               "(speculative/train_features.py)",
     "online": "online: each worker's frozen target computes the drafter's hidden states inside every step"}
+
+
+FLAG_HELP = {
+    "trim_loops": "cut a response that ends in a loop (a block of tokens repeated up to the end: "
+                  "speculative.train_data.trim_loop) after two periods of it",
+    "heldout_pairs": "jsonl of held-out {prompt_ids, response_ids}: every log record adds their teacher-forced "
+                     "heldout_accept_len and heldout_accuracy (--heldout-batches fixed batches per worker)"}
 
 
 def _above_zero(kind):
@@ -81,10 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         value, flag = f.default, "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=FLAG_HELP.get(f.name))
         elif f.name == "target_features":
             p.add_argument(flag, choices=FEATURE_MODES, default=value,
                            help="cached: the target runs once over every pair before training; online: in every step")
+        elif f.name == "heldout_pairs":
+            p.add_argument(flag, default=value, help=FLAG_HELP[f.name])
         else:
             p.add_argument(flag, type=type(value) if value is not None else float, default=value)
 
@@ -144,6 +153,8 @@ def run(args, argv: Optional[list[str]] = None) -> int:
     start = time.time()
     deadline = start + args.max_seconds if args.max_seconds else None
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    if cfg.heldout_pairs:
+        cfg = replace(cfg, heldout_pairs=os.path.abspath(cfg.heldout_pairs))
     use_gpu = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     job = TrainJob(pairs=args.pairs, out=os.path.abspath(args.out), cfg=cfg, target=args.target, layers=args.layers,
                    block_size=args.block_size, intermediate_size=args.intermediate_size, workers=args.workers,

@@ -74,6 +74,42 @@ def read_pairs(path: str, shard: int = 0, num_shards: int = 1) -> list[Pair]:
         return [(r["prompt_ids"], r["response_ids"]) for r in rows if r["response_ids"]]
 
 
+def trim_loop(response_ids: Sequence[int], max_period: int = 128, keep_repeats: int = 2,
+              min_loop_tokens: int = 32) -> list[int]:
+    """`response_ids` cut after `keep_repeats` periods of the loop it ends in: a block of p tokens (1 <= p <=
+    `max_period`) repeated more than `keep_repeats` times up to the end, over at least `min_loop_tokens` tokens
+    (a greedy regeneration stuck repeating itself until `max_tokens`). Of several periods, the one that removes
+    the most tokens; applied until no such loop is left, so the result is a prefix of `response_ids` and
+    trimming it again changes nothing. A response without one comes back unchanged."""
+    if keep_repeats < 1:
+        raise ValueError(f"keep_repeats must be at least 1, got {keep_repeats}")
+    ids = list(response_ids)
+    while True:
+        n, best, cut = len(ids), 0, len(ids)
+        for p in range(1, min(max_period, n // (keep_repeats + 1)) + 1):
+            j = n - 1
+            while j >= p and ids[j] == ids[j - p]:
+                j -= 1
+            run = n - j + p - 1                                  # the longest suffix of period p
+            if run >= max((keep_repeats + 1) * p, min_loop_tokens) and run - keep_repeats * p > best:
+                best, cut = run - keep_repeats * p, n - run + keep_repeats * p
+        if cut == n:
+            return ids
+        ids = ids[:cut]
+
+
+def trim_loops(pairs: Sequence[Pair], **kwargs) -> tuple[list[Pair], int, int]:
+    """`pairs` with each response `trim_loop`ped (`kwargs` are its bounds); also how many responses were cut and
+    how many tokens that removed."""
+    out, trimmed, removed = [], 0, 0
+    for prompt, response in pairs:
+        kept = trim_loop(response, **kwargs)
+        trimmed += len(kept) < len(response)
+        removed += len(response) - len(kept)
+        out.append((prompt, kept))
+    return out, trimmed, removed
+
+
 def count_lines(path: str) -> int:
     try:
         with open(path, "rb") as f:

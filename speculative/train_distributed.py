@@ -20,7 +20,7 @@ from torch import nn
 from replicas.config import ModelConfig
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.train_checkpoint import find_checkpoint, read_manifest
-from speculative.train_data import PairBatcher, read_pairs
+from speculative.train_data import Pair, PairBatcher, read_pairs, trim_loops
 from speculative.train_loop import LOG_NAME, TrainConfig, Trainer, last_log_record, load_hf_target
 
 
@@ -60,16 +60,40 @@ def train_worker(job: TrainJob, rank: int, world: int, device: torch.device,
     torch.manual_seed(cfg.seed)
     drafter = DominoDrafter(dcfg).to(device)
     tokens_before = warm_start(drafter, job.init_drafter) if job.init_drafter else 0
-    batcher = PairBatcher(read_pairs(job.pairs, rank, world), cfg.batch_size, cfg.seq_len, cfg.anchors_per_seq,
-                          seed=shard_seed(cfg.seed, rank))
+    pairs, heldout = worker_pairs(job, rank, world, device)
+    batcher = PairBatcher(pairs, cfg.batch_size, cfg.seq_len, cfg.anchors_per_seq, seed=shard_seed(cfg.seed, rank))
     trainer = Trainer(drafter, target, batcher, cfg, job.out, resume_from=job.resume, deadline=job.deadline,
-                      wrap=wrap, tokens_before=tokens_before)
+                      wrap=wrap, tokens_before=tokens_before, heldout=heldout)
     trainer.train()
     if rank == 0 and trainer.finished:
         final = os.path.join(job.out, "drafter")
         drafter.save(final)
         shutil.copyfile(trainer.log_path, os.path.join(final, LOG_NAME))
     return trainer
+
+
+def worker_pairs(job: TrainJob, rank: int, world: int, device: torch.device) -> tuple[list[Pair], list[Pair]]:
+    """This worker's shard of the training pairs and all of `cfg.heldout_pairs` (every worker evaluates its own
+    batches of the same held-out set), looping tails trimmed unless `cfg.trim_loops` is off; rank 0 prints the
+    counts, summed over the workers (a collective: every worker calls it)."""
+    cfg = job.cfg
+    pairs = read_pairs(job.pairs, rank, world)
+    heldout = read_pairs(cfg.heldout_pairs) if cfg.heldout_pairs else []
+    if cfg.heldout_pairs and not heldout:
+        raise ValueError(f"no held-out pairs in {cfg.heldout_pairs}")
+    trimmed = removed = 0
+    if cfg.trim_loops:
+        pairs, trimmed, removed = trim_loops(pairs)
+        heldout = trim_loops(heldout)[0]
+    counts = torch.tensor([len(pairs), trimmed, removed], dtype=torch.float64, device=device)
+    if world > 1:
+        torch.distributed.all_reduce(counts)
+    if rank == 0:
+        total, trimmed, removed = (int(x) for x in counts.tolist())
+        loops = (f"looping tails trimmed from {trimmed:,} of them ({removed:,} response tokens removed)"
+                 if cfg.trim_loops else "looping tails kept (--no-trim-loops)")
+        print(f"training pairs: {total:,}, {loops}; held-out pairs: {len(heldout):,}", flush=True)
+    return pairs, heldout
 
 
 def warm_start(drafter: DominoDrafter, folder: str) -> int:

@@ -18,7 +18,7 @@ import os
 import resource
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from speculative.drafter import DominoDrafter, DrafterConfig
 from speculative.train_checkpoint import (SHARD_BYTES, find_checkpoint, optimizer_state_dict, optimizer_tensors,
                                           read_checkpoint, read_manifest, write_checkpoint)
-from speculative.train_data import PairBatcher, TrainBatch
+from speculative.train_data import Pair, PairBatcher, TrainBatch
 from speculative.train_features import FeatureCache
 
 FEATURE_MODES = ("cached", "online")
@@ -72,6 +72,11 @@ class TrainConfig:
                                            # "online": inside every step
     compile: bool = True                   # torch.compile the drafter's loss on CUDA (ignored on the CPU); every
                                            # batch is then seq_len wide, one static shape
+    trim_loops: bool = True                # responses that end in a loop are cut after two periods as the pairs
+                                           # are read (train_data.trim_loop)
+    heldout_pairs: Optional[str] = None    # jsonl of held-out pairs: every log record adds their teacher-forced
+                                           # heldout_accept_len and heldout_accuracy
+    heldout_batches: int = 4               # per worker: fixed batches of the held-out pairs, evaluated at every log
 
 
 class TargetModel(Protocol):
@@ -107,6 +112,9 @@ def training_mask(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block: in
 
 def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tensor, embed_w: Tensor,
                  lm_w: Tensor, gamma: float) -> dict[str, Tensor]:
+    """The weighted cross-entropies of the corrected ("final") and base logits, and without gradient `accuracy`
+    (argmax hits over the valid slots: response tokens inside the sequence) and `accept_len` (per valid anchor,
+    the slots hit before the first miss or the first slot that is not valid, so never past the response's end)."""
     s = drafter.cfg.block_size
     ids, anchors = batch.input_ids, batch.anchors
     (b, t), a = ids.shape, anchors.shape[1]
@@ -131,10 +139,10 @@ def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tenso
     ce_base = F.cross_entropy(base.reshape(-1, base.shape[-1]).float(), flat, reduction="none").view(b, a, s)
     norm = weight.sum().clamp(min=1e-6)
     with torch.no_grad():
-        hit = (final.view(b, a, s, -1).argmax(-1) == labels) | ~valid
+        hit = (final.view(b, a, s, -1).argmax(-1) == labels) & valid
         rows = valid[..., 0]
         accept = hit.long().cumprod(-1).sum(-1).float()                 # teacher-forced chain accept length
-        out = {"accuracy": ((hit & valid).sum() / valid.sum().clamp(min=1)).float(),
+        out = {"accuracy": (hit.sum() / valid.sum().clamp(min=1)).float(),
                "accept_len": (accept * rows).sum() / rows.sum().clamp(min=1)}
     return {"final": (ce_final * weight).sum() / norm, "base": (ce_base * weight).sum() / norm, **out}
 
@@ -180,11 +188,14 @@ class Trainer:
     """One worker's training loop. Under torch.distributed every worker runs it on its own shard of the pairs
     (its own `batcher`), `wrap` puts the loss module into DDP (`ray.train.torch.prepare_model`), and rank 0
     writes the log and the checkpoints (`out_dir/checkpoints/step-*`, see train_checkpoint.py). A run resumes
-    from `resume_from` (a checkpoint, or an output folder) or else from `out_dir`'s newest checkpoint."""
+    from `resume_from` (a checkpoint, or an output folder) or else from `out_dir`'s newest checkpoint.
+    With `heldout` pairs (every worker given the same), each log record adds their teacher-forced
+    `heldout_accept_len` and `heldout_accuracy` over `cfg.heldout_batches` fixed batches per worker."""
 
     def __init__(self, drafter: DominoDrafter, target: TargetModel, batcher: PairBatcher, cfg: TrainConfig,
                  out_dir: str, *, resume_from: Optional[str] = None, deadline: Optional[float] = None,
-                 wrap: Optional[Callable[[nn.Module], nn.Module]] = None, tokens_before: int = 0):
+                 wrap: Optional[Callable[[nn.Module], nn.Module]] = None, tokens_before: int = 0,
+                 heldout: Sequence[Pair] = ()):
         self.drafter, self.target, self.batcher, self.cfg, self.out_dir = drafter, target, batcher, cfg, out_dir
         self.device = next(drafter.parameters()).device
         distributed = dist.is_available() and dist.is_initialized()
@@ -199,6 +210,7 @@ class Trainer:
         self.peak_flops = cfg.peak_flops or device_peak_flops(self.device)
         self.save_seconds: Optional[float] = None
         self.feature_seconds: Optional[float] = None
+        self.heldout_seconds = 0.0
         self.local_tokens = 0                  # prompt + response tokens this worker has trained on, resumes included
         self.tokens_before = tokens_before     # trained on before this run's first step (a warm restart's drafter)
         self.stopped_early = False
@@ -210,6 +222,7 @@ class Trainer:
         if source:
             self.resume(source)
         self.features = self._cache_features() if cfg.target_features == "cached" else None
+        self.heldout = self._heldout_batches(heldout)
         self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma)
         self.model = wrap(self.loss_module) if wrap else self.loss_module
         if cfg.compile and self.device.type == "cuda":
@@ -231,6 +244,37 @@ class Trainer:
                   f"{'on the device' if cache.on_device else 'in host memory'}) in {self.feature_seconds:.1f} s",
                   flush=True)
         return cache
+
+    def _heldout_batches(self, pairs: Sequence[Pair]) -> list[tuple[TrainBatch, Tensor]]:
+        """This worker's fixed held-out batches (anchors drawn from the run's seed and the rank) with the
+        target's features for them."""
+        if not pairs:
+            return []
+        c = self.cfg
+        batcher = PairBatcher(pairs, c.batch_size, c.seq_len, c.anchors_per_seq, seed=c.seed * 1_000_003 + self.rank)
+        batches = []
+        with torch.no_grad(), self._autocast():
+            for _ in range(c.heldout_batches):
+                batch = batcher.next().to(self.device)
+                batches.append((batch, self.target.hidden(batch.input_ids)))
+        return batches
+
+    @torch.no_grad()
+    def heldout_metrics(self) -> dict[str, Tensor]:
+        """Teacher-forced `heldout_accept_len` and `heldout_accuracy` over the held-out batches; {} without."""
+        if not self.heldout:
+            return {}
+        start = time.perf_counter()
+        totals = {"accept_len": 0.0, "accuracy": 0.0}
+        with self._autocast():
+            for batch, hidden in self.heldout:
+                out = block_losses(self.drafter, batch, hidden, self.target.embed_weight,
+                                   self.target.lm_head_weight, self.cfg.loss_decay_gamma)
+                totals = {k: v + out[k].float() for k, v in totals.items()}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.heldout_seconds = time.perf_counter() - start
+        return {f"heldout_{k}": v / len(self.heldout) for k, v in totals.items()}
 
     def _newest_checkpoint(self, resume_from: Optional[str]) -> Optional[str]:
         """`resume_from`'s checkpoint, unless this run's own is as far or further (so a call repeated with the
@@ -296,7 +340,8 @@ class Trainer:
             if self.step % c.log_every == 0 or self.step == self.total_steps or stop:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                record, out_of_time = self._log(out, window, time.perf_counter() - window["start"])
+                elapsed = time.perf_counter() - window["start"]
+                record, out_of_time = self._log({**out, **self.heldout_metrics()}, window, elapsed)
                 records.append(record)
                 stop = stop or out_of_time
                 window = {"start": time.perf_counter(), "steps": 0, "flops": 0.0, "tokens": 0}
@@ -308,12 +353,14 @@ class Trainer:
         return records
 
     def _out_of_time(self, step_seconds: float) -> bool:
-        """Rank 0's vote: would the next logging window plus a checkpoint overrun the deadline?"""
+        """Rank 0's vote: would the next logging window (its held-out evaluation included) plus a checkpoint
+        overrun the deadline?"""
         if self.deadline is None or self.rank != 0:
             return False
         n_params = sum(p.numel() for p in self.drafter.parameters())
         save_seconds = self.save_seconds if self.save_seconds is not None else 1.0 + 12 * n_params / 200e6
-        return time.time() + step_seconds * self.cfg.log_every + 1.5 * save_seconds > self.deadline
+        return time.time() + step_seconds * self.cfg.log_every + self.heldout_seconds + 1.5 * save_seconds \
+            > self.deadline
 
     def _peak_memory_bytes(self) -> float:
         if self.device.type == "cuda":
@@ -349,8 +396,9 @@ class Trainer:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             mfu = f"{rec['mfu']:.2%}" if rec["mfu"] is not None else "n/a"
+            heldout = f" heldout {rec['heldout_accept_len']:.2f}" if "heldout_accept_len" in rec else ""
             print(f"step {self.step}/{self.total_steps} loss {rec['loss']:.4f} acc {rec['accuracy']:.3f} "
-                  f"accept {rec['accept_len']:.2f} | {rec['seq_tokens_per_s']:,.0f} seq tok/s "
+                  f"accept {rec['accept_len']:.2f}{heldout} | {rec['seq_tokens_per_s']:,.0f} seq tok/s "
                   f"{rec['query_tokens_per_s']:,.0f} query tok/s, mfu {mfu}, "
                   f"peak mem {rec['peak_memory_gib']:.2f} GiB", flush=True)
         return rec, stop_votes > 0

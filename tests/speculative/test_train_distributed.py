@@ -172,10 +172,12 @@ def test_cached_features_equal_the_targets_hidden_states_of_each_batch(tiny_setu
 @pytest.mark.timeout(480)
 def test_two_gloo_workers_resume_from_a_checkpoint_to_the_same_losses(ray_cluster, tiny_setup):
     """Ray Train with 2 CPU workers (DDP over gloo), through the CLI entry point: a 20-step run, and a run
-    resumed from its step-10 checkpoint in a fresh output folder (a checkpoint brought back from elsewhere)."""
+    resumed from its step-10 checkpoint in a fresh output folder (a checkpoint brought back from elsewhere); the
+    held-out metrics, a collective like the others, are in every record."""
     from speculative.train import main
     root, target = tiny_setup
-    assert main(train_args(root, target, "whole", "--checkpoint-every", "10", "--keep-checkpoints", "2")) == 0
+    assert main(train_args(root, target, "whole", "--checkpoint-every", "10", "--keep-checkpoints", "2",
+                           "--heldout-pairs", str(root / "pairs.jsonl"), "--heldout-batches", "1")) == 0
     mid = str(root / "whole" / "checkpoints" / "step-00000010")
     manifest = read_manifest(mid)
     assert manifest["step"] == 10 and manifest["meta"]["world_size"] == 2 and len(manifest["files"]) > 2
@@ -186,7 +188,7 @@ def test_two_gloo_workers_resume_from_a_checkpoint_to_the_same_losses(ray_cluste
 
     whole, resumed = log_records(root / "whole"), log_records(root / "resumed")
     assert [r["step"] for r in whole] == list(range(1, 21))
-    assert all(LOG_FIELDS <= set(r) for r in whole)
+    assert all(LOG_FIELDS | {"heldout_accept_len", "heldout_accuracy"} <= set(r) for r in whole)
     assert all(r["seq_tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 and r["mfu"] is None for r in whole)
     seen = [r["tokens_seen"] for r in whole]
     assert seen == sorted(seen) and seen[0] > 0 and len(set(seen)) == len(seen)
