@@ -12,16 +12,17 @@ change), and the policies keep a hysteresis band of their own.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
-- `auto`: per replica, measures both (a trial of `trial_rounds` rounds each, with the other knob at its neutral
-  setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
-  SLOs more often, and measures again after `exploit_rounds`. On equal attainment (both met the SLOs for every
-  request, the common case away from overload) the arm whose requests kept further from the SLOs wins (lower
-  mean SLO load: per request the larger of TTFT / TTFT SLO and inter-token latency / ITL SLO), by more than
-  `switch_margin` against the arm in force (the last one tried), which otherwise stays. It decides from
-  what it measured, never from a default belief about which knob pays. The order of the trials only saves
-  changes: a round of trials ends with the arm it found in force, so that if that arm wins again it goes on
-  as it was (nothing taken back and redone); the first round tries `elastic` first, because its neutral
-  setting, the full budget, is the state an engine starts in.
+- `auto`: per replica, measures both (a round of trials of `trial_rounds` rounds each, with the other knob at its
+  neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
+  SLOs more often, and measures again after `exploit_rounds`. A round of trials runs the arms in the order A B B A,
+  A being the arm in force (for the first round `elastic`, whose neutral setting, the full budget, is the state an
+  engine starts in), and pools each arm's two trials: traffic that drifts across the round (a cold start filling
+  up, a backlog building) then weighs on both arms alike instead of favouring whichever went first. On equal
+  attainment (both met the SLOs for every request, the common case away from overload) the arm whose requests
+  kept further from the SLOs wins (lower mean SLO load: per request the larger of TTFT / TTFT SLO and inter-token
+  latency / ITL SLO), by more than `switch_margin` against the arm in force, which otherwise stays. It decides from
+  what it measured, never from a default belief about which knob pays. `chunk` re-entering resumes at the budget
+  it left, so its second trial measures its setting, not its descent to it.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class ControllerConfig:
     window_s: float = 60.0              # a judgment looks at most this far back
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
-    trial_rounds: int = 6               # auto: rounds each knob is measured
+    trial_rounds: int = 6               # auto: rounds of one trial (each arm has two in a round of trials)
     exploit_rounds: int = 60            # auto: rounds on the better knob before measuring both again
     switch_margin: float = 0.1          # auto, equal attainment: how much lower another arm's SLO load must be
 
@@ -182,27 +183,42 @@ class AutoPolicy(ConfiguredPolicy):
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
         cfg = self.cfg
         arms = list(ARMS) if view.elastic_available else ["chunk"]
-        if state.get("arm") not in arms:
-            state.update(scores={}, loads={}, order=arms)
-            self._enter(state, arms[0], "trial" if len(arms) > 1 else "exploit", now)
+        if state.get("arm") not in arms or "slot" not in state:
+            self._start_trials(state, arms[0], arms, now)
         state["arm_rounds"] = state.get("arm_rounds", 0) + 1
         arm = state["arm"]
         if state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
             trial = view.window(state["entered_at"])
-            score = trial.attainment(cfg)
-            if score is not None or state["arm_rounds"] >= 3 * cfg.trial_rounds:
-                state["scores"][arm] = score
-                state.setdefault("loads", {})[arm] = trial.slo_load(cfg)
-                untried = [a for a in state.get("order", arms) if a not in state["scores"]]
-                if untried:
-                    self._enter(state, untried[0], "trial", now)
+            if len(trial) or state["arm_rounds"] >= 3 * cfg.trial_rounds:
+                met, n, load = state["tally"].get(arm, (0.0, 0, 0.0))
+                if len(trial):
+                    met, n = met + trial.attainment(cfg) * len(trial), n + len(trial)
+                    load += trial.slo_load(cfg) * len(trial)
+                state["tally"][arm] = (met, n, load)
+                state["slot"] += 1
+                if state["slot"] < len(state["order"]):
+                    self._switch(view, state, state["order"][state["slot"]], "trial", now)
                 else:
-                    self._enter(state, self._best(state, arm), "exploit", now)
+                    state["scores"] = {a: (m / k if k else None) for a, (m, k, _) in state["tally"].items()}
+                    state["loads"] = {a: (x / k if k else None) for a, (_, k, x) in state["tally"].items()}
+                    self._switch(view, state, self._best(state, arm), "exploit", now)
         elif state["phase"] == "exploit" and len(arms) > 1 and state["arm_rounds"] >= cfg.exploit_rounds:
-            order = [a for a in arms if a != arm] + [arm]         # the arm in force is tried last
-            state.update(scores={}, loads={}, order=order)
-            self._enter(state, order[0], "trial", now)
-        return self._neutral(view, state["arm"]) or self.arms[state["arm"]].decide(view, state, now)
+            self._start_trials(state, arm, arms, now)
+        return self._neutral(view, state) or self.arms[state["arm"]].decide(view, state, now)
+
+    def _start_trials(self, state: dict, in_force: str, arms: list[str], now: float) -> None:
+        """A round of trials in the order A B B A (A the arm in force), or the one arm there is, kept."""
+        others = [a for a in arms if a != in_force]
+        order = [in_force, *others, *reversed(others), in_force] if others else [in_force]
+        state.update(tally={}, scores={}, loads={}, order=order, slot=0)
+        self._enter(state, in_force, "trial" if others else "exploit", now)
+
+    def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:
+        if state["arm"] == "chunk" and arm != "chunk":
+            state["chunk_budget"] = view.stats.max_num_batched_tokens
+        if arm == "chunk" and state["arm"] != "chunk" and "chunk_budget" in state:
+            state["resume_budget"] = state["chunk_budget"]
+        self._enter(state, arm, phase, now)
 
     def _best(self, state: dict, in_force: str) -> str:
         """The arm with the highest attainment; among equals, the lowest SLO load, the arm in force's counted
@@ -224,15 +240,20 @@ class AutoPolicy(ConfiguredPolicy):
         state.update(arm=arm, phase=phase, arm_rounds=0, entered_at=now)
 
     @staticmethod
-    def _neutral(view: ReplicaView, arm: str) -> list[Decision]:
-        """The other knob at its neutral setting while `arm` is the one in use (re-issued until it holds)."""
-        s = view.stats
+    def _neutral(view: ReplicaView, state: dict) -> list[Decision]:
+        """The other knob at its neutral setting while `state["arm"]` is the one in use, and a re-entered `chunk`
+        at the budget it left (each re-issued until it holds)."""
+        s, arm = view.stats, state["arm"]
         if arm == "chunk" and view.elastic_available and s.elastic_mode != "off":
             return [Decision("elastic", "off", "auto_chunk")]
+        if arm == "chunk" and "resume_budget" in state:
+            budget = min(state["resume_budget"], view.budget_limit)
+            if s.max_num_batched_tokens != budget:
+                return [Decision("max_num_batched_tokens", budget, "auto_chunk")]
+            del state["resume_budget"]
         if arm == "elastic" and s.max_num_batched_tokens != view.budget_limit:
             return [Decision("max_num_batched_tokens", view.budget_limit, "auto_elastic")]
         return []
-
 
 def make_policy(cfg: ControllerConfig) -> Policy:
     kinds = {"static": StaticPolicy, "chunk": ChunkPolicy, "elastic": ElasticPolicy, "auto": AutoPolicy}
