@@ -255,6 +255,7 @@ class AutoPolicy(ConfiguredPolicy):
             return [Decision("max_num_batched_tokens", view.budget_limit, "auto_elastic")]
         return []
 
+
 def make_policy(cfg: ControllerConfig) -> Policy:
     kinds = {"static": StaticPolicy, "chunk": ChunkPolicy, "elastic": ElasticPolicy, "auto": AutoPolicy}
     if cfg.policy not in kinds:
