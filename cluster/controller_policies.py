@@ -214,10 +214,9 @@ class AutoPolicy(ConfiguredPolicy):
         self._enter(state, in_force, "trial" if others else "exploit", now)
 
     def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:
+        """Put `arm` in force; `chunk` leaving keeps its budget for its return (`_neutral` restores it)."""
         if state["arm"] == "chunk" and arm != "chunk":
-            state["chunk_budget"] = view.stats.max_num_batched_tokens
-        if arm == "chunk" and state["arm"] != "chunk" and "chunk_budget" in state:
-            state["resume_budget"] = state["chunk_budget"]
+            state["resume_budget"] = view.stats.max_num_batched_tokens
         self._enter(state, arm, phase, now)
 
     def _best(self, state: dict, in_force: str) -> str:
