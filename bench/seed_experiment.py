@@ -1,7 +1,7 @@
 """The seed's controlled experiment (GPU): does lending the prefill reserve pay, or does the step budget?
 
     python -m bench.seed_experiment [--shape llama3-8b] [--duration-s 30] [--policies static32768,...]
-                                    [--repeats 2] [--max-seconds S] [--resume]
+                                    [--learn-s 0] [--repeats 2] [--max-seconds S] [--resume]
                                     [--out bench/results/seed_experiment.json]
 
 One engine of the shape (random bf16 weights, `load_format="dummy"`, elastic KV built at the high budget, prefix
@@ -16,9 +16,13 @@ start (high budget, lending off, nothing granted):
   `--interval-s` from the engine's own stats and finished requests, applied through `LLMEngine.reconfigure`,
   as a replica applies them.
 
-Per policy: TTFT (all requests, and the long prompts alone) and decode inter-token gaps (every gap of every
+Every policy's trace starts with `--learn-s` seconds of arrivals that are served but not counted: the time a
+controller policy spends learning the traffic (auto's round of trials) is then left out of its steady-state
+figures, as it is for the static policies, whose first seconds are the same arrivals. `goodput_cold` counts the
+whole trace, learning included, beside it. Per policy (over the counted requests, those arriving after the
+learning prefix): TTFT (all requests, and the long prompts alone) and decode inter-token gaps (every gap of every
 decode-load request, pooled) as median and p99; goodput = requests that met both SLOs (TTFT, and mean
-inter-token latency as the controller judges it) per second of the trace; decode_tok_s = output tokens per
+inter-token latency as the controller judges it) per counted second of the trace; decode_tok_s = output tokens per
 second of wall time until the last request finished. The SLOs are --ttft-slo-ms and --itl-slo-ms when given;
 otherwise --slo-scale times the medians the first policy (the sized budget, static<high>) reached on the trace:
 its per-request TTFT and mean inter-token latency. Every policy, the first included, is judged by the same
@@ -68,20 +72,21 @@ class Arrival:
 
 
 def make_trace(args) -> list[Arrival]:
-    """Poisson decode arrivals and long prompts every `long_every_s`, over `duration_s` (seeded)."""
+    """Poisson decode arrivals and long prompts every `long_every_s`, over `learn_s` + `duration_s` (seeded)."""
     rng = random.Random(args.seed)
+    span = args.learn_s + args.duration_s
     out, t, n = [], 0.0, 0
     lo, hi = args.decode_prompt_tokens
     olo, ohi = args.decode_output_tokens
     while True:
         t += rng.expovariate(args.decode_rate)
-        if t >= args.duration_s:
+        if t >= span:
             break
         out.append(Arrival(t, f"d{n}", "decode", rng.randint(lo, hi), rng.randint(olo, ohi)))
         n += 1
     llo, lhi = args.long_tokens
     t = args.long_every_s / 2
-    while t < args.duration_s:
+    while t < span:
         out.append(Arrival(t, f"l{n}", "long", rng.randint(llo, lhi), args.long_output_tokens))
         n += 1
         t += args.long_every_s
@@ -144,6 +149,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     rng = np.random.default_rng(args.seed)
     prompts = {a.request_id: rng.integers(3, vocab - 1, a.prompt_tokens).tolist() for a in trace}
     kinds = {a.request_id: a.kind for a in trace}
+    counted = {a.request_id for a in trace if a.at_s >= args.learn_s}
     before = engine.get_stats()
     timings, decisions, budgets, kv_usage = [], [], [], []
     start = time.monotonic()
@@ -160,7 +166,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
             decided = controller.step(time.time())
             decisions += [(round(now - start, 2), d.knob, d.value, d.reason) for ds in decided.values() for d in ds]
             next_tick = now + args.interval_s
-        if now - start > args.duration_s + args.drain_s:
+        if now - start > args.learn_s + args.duration_s + args.drain_s:
             break
         if engine.has_unfinished:
             engine.step()
@@ -183,15 +189,21 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     wall = time.monotonic() - start
     after = engine.get_stats()
     timings = [t for t in timings if t.finish_reason != "abort"]
+    learning = [t for t in timings if t.request_id not in counted]
+    timings = [t for t in timings if t.request_id in counted]
     ttft = [t.first_token_time - t.arrival_time for t in timings]
     ttft_long = [t.first_token_time - t.arrival_time for t in timings if kinds[t.request_id] == "long"]
     gaps = [g for t in timings if kinds[t.request_id] == "decode" for g in t.inter_token_latencies]
-    requests = [(t.first_token_time - t.arrival_time,
-                 (t.finish_time - t.first_token_time) / max(1, t.num_generation_tokens - 1)) for t in timings]
-    out_tokens = sum(t.num_generation_tokens for t in timings)
-    last = max((t.finish_time for t in timings), default=start + 1e-9) - start
-    return {"policy": policy, "requests": len(trace), "finished": len(timings), "cut": len(cut),
-            "request_latencies_s": requests, "decode_tok_s": round(out_tokens / last, 1),
+
+    def latencies(done: list) -> list[tuple[float, float]]:
+        return [(t.first_token_time - t.arrival_time,
+                 (t.finish_time - t.first_token_time) / max(1, t.num_generation_tokens - 1)) for t in done]
+    out_tokens = sum(t.num_generation_tokens for t in timings + learning)
+    last = max((t.finish_time for t in timings + learning), default=start + 1e-9) - start
+    return {"policy": policy, "requests": len(counted), "requests_learning": len(trace) - len(counted),
+            "finished": len(timings), "cut": len(cut),
+            "request_latencies_s": latencies(timings), "learning_latencies_s": latencies(learning),
+            "decode_tok_s": round(out_tokens / last, 1),
             "ttft_ms": quantiles_ms(ttft),
             "ttft_long_ms": quantiles_ms(ttft_long), "decode_itl_ms": quantiles_ms(gaps),
             "kv_usage_max": round(max(kv_usage, default=0.0), 4),
@@ -239,7 +251,7 @@ def warm_up(engine: LLMEngine, args, vocab: int, trace: list[Arrival]) -> None:
     engine.drain_finished_timings()
     if args.warmup_s > 0:
         prefix = [a for a in trace if a.at_s < args.warmup_s]
-        short = argparse.Namespace(**{**vars(args), "duration_s": args.warmup_s, "drain_s": 0.0})
+        short = argparse.Namespace(**{**vars(args), "duration_s": args.warmup_s, "drain_s": 0.0, "learn_s": 0.0})
         run_policy(engine, f"static{args.budgets[0]}", prefix, short, vocab)
 
 
@@ -262,6 +274,8 @@ def summarize(rows: dict[str, list[dict]], engine: LLMEngine, args) -> dict:
     out["reserve_fraction"] = round(kv.reserve_blocks_built / max(1, bm.num_base - sum(kv.grants)), 5)
     out["policies"] = {name: {"goodput": round(statistics.mean(r["goodput"] for r in runs), 4),
                               "goodput_repeats": [r["goodput"] for r in runs],
+                              "goodput_cold": round(statistics.mean(r["goodput_cold"] for r in runs), 4),
+                              "goodput_cold_repeats": [r["goodput_cold"] for r in runs],
                               "decode_tok_s": round(statistics.mean(r["decode_tok_s"] for r in runs), 1),
                               "decode_tok_s_repeats": [r["decode_tok_s"] for r in runs]}
                        for name, runs in rows.items() if runs}
@@ -272,6 +286,8 @@ def summarize(rows: dict[str, list[dict]], engine: LLMEngine, args) -> dict:
         paired = [rows["auto"][r]["goodput"] / max(max(rows[p][r]["goodput"] for p in statics), 1e-9)
                   for r in range(min(len(rows[p]) for p in ["auto", *statics]))]
         out["auto_goodput_vs_best_static_repeats"] = [round(x, 4) for x in paired]
+        best_cold = max(out["policies"][p]["goodput_cold"] for p in statics)
+        out["auto_goodput_cold_vs_best_static"] = round(out["policies"]["auto"]["goodput_cold"] / max(best_cold, 1e-9), 4)
         out["auto_chose"] = [r["auto_state"] for r in rows["auto"]]
     out["repeats"] = min((len(runs) for runs in rows.values()), default=0)
     out["runs"] = rows
@@ -296,7 +312,7 @@ def plot(result: dict, path: str) -> None:
     for name, r in runs.items():
         ttft = sorted(t for t, _ in r["request_latencies_s"])
         cdf.step(ttft, np.arange(1, len(ttft) + 1) / r["requests"], where="post", label=name, color=color[name])
-    cdf.set(xscale="log", xlabel="TTFT (s)", ylabel="share of the trace's requests", title="TTFT")
+    cdf.set(xscale="log", xlabel="TTFT (s)", ylabel="share of the trace's counted requests", title="TTFT")
     cdf.axvline(result["slo"]["ttft_ms"] / 1e3, color="grey", ls=":", label="TTFT SLO")
     cdf.legend(fontsize=8)
     names = list(runs)
@@ -327,6 +343,9 @@ def plot(result: dict, path: str) -> None:
         budget.step([t for t, _ in steps], [v for _, v in steps], where="post", label=name, color=color[name])
         lends = [t for t, knob, v, _ in r["decisions"] if knob == "elastic" and v != "off"]
         budget.scatter(lends, [steps[0][1]] * len(lends), marker="^", s=40, color=color[name])
+    learn_s = result.get("trace", {}).get("learn_s", 0.0)
+    if learn_s:
+        budget.axvline(learn_s, color="grey", ls=":", label="counted from")
     budget.set(yscale="log", xlabel="time into the trace (s)", ylabel="max_num_batched_tokens",
                title="budget set by the controller (^: lending on)")
     budget.legend(fontsize=8)
@@ -345,7 +364,8 @@ def start_or_resume(args, argv: list[str], config: dict) -> tuple[dict, dict[str
         "bench.seed_experiment", argv, args.device, args.seed,
         warm_up=f"one long prompt at each budget and 8 short requests, then the trace's first {args.warmup_s} s at "
                 f"the high budget; not counted (in every call)",
-        counted="every request of the trace; cut requests count as missed", torch=torch.__version__)
+        counted=f"every request arriving after the first {args.learn_s} s of the trace (goodput_cold: every request); "
+                "cut requests count as missed", torch=torch.__version__)
     if not (args.resume and os.path.exists(args.out)):
         result = {"provenance": this_call, "config": config, "tp2_status": "not run: no two-GPU machine was lent"}
         if args.ttft_slo_ms is not None:
@@ -368,6 +388,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--budgets", default="32768,8192", help="the high (sized) and the low step budget")
     ap.add_argument("--policies", default=None, help="default: static<high>,static<low>,elastic,chunk,auto")
     ap.add_argument("--duration-s", type=float, default=25.0, help="arrivals per policy run")
+    ap.add_argument("--learn-s", type=float, default=0.0,
+                    help="arrivals before the counted --duration-s, served but not counted (the controller's learning)")
     ap.add_argument("--drain-s", type=float, default=10.0, help="after the arrivals, before cutting what is left")
     ap.add_argument("--warmup-s", type=float, default=10.0,
                     help="the trace's first seconds replayed before the measured runs (not counted)")
@@ -431,8 +453,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     trace = make_trace(args)
     warm_up(engine, args, vocab, trace)
     result["trace"] = {"requests": len(trace), "long": sum(a.kind == "long" for a in trace),
-                       "duration_s": args.duration_s}
-    run_seconds = args.duration_s + args.drain_s + 15.0
+                       "learn_s": args.learn_s, "duration_s": args.duration_s}
+    run_seconds = args.learn_s + args.duration_s + args.drain_s + 15.0
     for repeat, policy in todo:
         if args.max_seconds and time.time() - t0 + run_seconds > args.max_seconds:
             print(f"stopping before repeat {repeat} of {policy}: --max-seconds {args.max_seconds} would pass; "
@@ -447,7 +469,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
             result["slo"] = {"ttft_ms": args.ttft_slo_ms, "itl_ms": args.itl_slo_ms,
                              "set_by": f"{args.slo_scale} x the medians of {policy}'s requests"}
         met = slo_met(r["request_latencies_s"], args.ttft_slo_ms, args.itl_slo_ms)
-        r.update(goodput=round(met / args.duration_s, 4), slo_attainment=round(met / len(trace), 4))
+        met_learning = slo_met(r["learning_latencies_s"], args.ttft_slo_ms, args.itl_slo_ms)
+        r.update(goodput=round(met / args.duration_s, 4), slo_attainment=round(met / max(1, r["requests"]), 4),
+                 goodput_cold=round((met + met_learning) / (args.learn_s + args.duration_s), 4))
         rows.setdefault(policy, []).append(r)
         rows[policy].sort(key=lambda run: run["repeat"])
         print(f"{policy:>12} r{repeat}: goodput {r['goodput']:.3f}/s  decode {r['decode_tok_s']:.0f} tok/s  "
@@ -464,12 +488,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tp1 = result["tp1"]
     print(f"\nKV blocks: base {tp1['kv_blocks_base']}, lending adds {tp1['kv_gain_elastic_blocks']}, "
           f"budget {low} grants {tp1['kv_gain_lower_chunk_blocks']} (reserve fraction {tp1['reserve_fraction']})")
-    print(f"{'policy':>12} {'goodput/s':>10} {'decode tok/s':>13}  (mean of {tp1['repeats']} or more runs; each run's)")
+    print(f"{'policy':>12} {'goodput/s':>10} {'cold':>7} {'decode tok/s':>13}  (mean of {tp1['repeats']} or more runs; "
+          f"each run's goodput)")
     for name, p in tp1["policies"].items():
-        print(f"{name:>12} {p['goodput']:>10.3f} {p['decode_tok_s']:>13.0f}  {p['goodput_repeats']}")
+        print(f"{name:>12} {p['goodput']:>10.3f} {p['goodput_cold']:>7.3f} {p['decode_tok_s']:>13.0f}  "
+              f"{p['goodput_repeats']}")
     if "auto_goodput_vs_best_static" in tp1:
         print(f"auto / best static goodput: {tp1['auto_goodput_vs_best_static']} (per repeat "
-              f"{tp1['auto_goodput_vs_best_static_repeats']}; auto chose {tp1['auto_chose']})")
+              f"{tp1['auto_goodput_vs_best_static_repeats']}; cold {tp1['auto_goodput_cold_vs_best_static']}; "
+              f"auto chose {tp1['auto_chose']})")
     missing = len(plan) - sum(len(runs) for runs in rows.values())
     if missing:
         print(f"{missing} runs of {len(plan)} still to run: the same command with --resume")

@@ -47,3 +47,18 @@ def test_first_policy_sets_the_slos_every_policy_is_judged_by_and_a_resumed_run_
     given = main(TINY + ["--policies", "static512", "--repeats", "1", "--ttft-slo-ms", "0", "--itl-slo-ms", "0",
                          "--out", str(tmp_path / "b.json")])
     assert given["slo"]["set_by"] == "given" and given["tp1"]["runs"]["static512"][0]["goodput"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_learning_prefix_is_served_but_only_the_cold_goodput_counts_it(tmp_path):
+    res = main(TINY + ["--policies", "static512,auto", "--repeats", "1", "--learn-s", "1", "--ttft-slo-ms", "1e6",
+                       "--itl-slo-ms", "1e6", "--out", str(tmp_path / "c.json")])
+    trace = res["trace"]
+    assert trace["learn_s"] == 1 and trace["requests"] > 0
+    for (r,) in res["tp1"]["runs"].values():
+        assert r["requests"] + r["requests_learning"] == trace["requests"] and r["requests_learning"] > 0
+        assert len(r["request_latencies_s"]) == r["finished"] <= r["requests"]
+        # SLOs nobody misses: goodput counts the finished counted requests per counted second, cold counts all
+        assert r["goodput"] == round(len(r["request_latencies_s"]) / 2, 4)
+        assert r["goodput_cold"] == round((len(r["request_latencies_s"]) + len(r["learning_latencies_s"])) / 3, 4)
+    assert "auto_goodput_cold_vs_best_static" in res["tp1"]
