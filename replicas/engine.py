@@ -111,6 +111,7 @@ class LLMEngine:
                                          config.scheduling.max_num_seqs, self.runner.device)
         self._compiling: dict[str, Future] = {}     # request id -> its grammar's compile; it waits outside the queue
         self._pending: Optional[_Launched] = None     # async scheduling: a sampled step not yet read back
+        self._finished_early: list[RequestOutput] = []  # its outputs, where `reconfigure` finished it
         chosen = config.scheduling.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if chosen is None else chosen
         self._readback = TokenReadback(self.runner.device, config.scheduling.max_num_seqs)
@@ -198,21 +199,21 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._finished_early)
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self._compiling:
             self._admit_compiled()
-        outputs: list[RequestOutput] = []
+        outputs, self._finished_early = self._finished_early, []
         spec = self.speculator if self.speculation and self.speculator.enabled else None
         if self._pending is not None:
             ahead = self.scheduler.schedule_ahead({id(s) for s in self._pending.sampling_seqs}) \
                 if self._overlap_allowed(spec) else None
             if ahead is not None:
-                return self._step_ahead(ahead)
+                return outputs + self._step_ahead(ahead)
             pending, self._pending = self._pending, None
-            outputs = self._finish(pending)
+            outputs += self._finish(pending)
         if self.elastic is not None:
             self._elastic_guarded(self.elastic.before_schedule)   # reclaim before a prefill that needs the reserve
         start, emitted = time.perf_counter(), self.stats.generation_tokens
@@ -597,8 +598,12 @@ class LLMEngine:
     def reconfigure(self, max_num_batched_tokens: Optional[int] = None, elastic: Optional[str] = None,
                     speculation: Optional[bool] = None) -> dict:
         """Runtime knobs, applied between steps. Returns the settings now in force."""
-        if self._pending is not None and self.elastic is not None:
-            self._readback.wait()       # remapping the KV while an async-scheduled step still runs: not safe
+        if self._pending is not None:
+            # A change may preempt (grants taken back, a reclaim) or remap the KV: the async-scheduled step must
+            # have run and its tokens be the sequences' own first, or a preempted one would carry that step's
+            # progress into its recompute. Its outputs go out with the next step's.
+            pending, self._pending = self._pending, None
+            self._finished_early += self._finish(pending)
         if max_num_batched_tokens is not None:
             n = int(max_num_batched_tokens)
             configured = self.config.scheduling.max_num_batched_tokens

@@ -35,13 +35,13 @@ def tiny(tmp_path_factory):
     return folder, hf.config.vocab_size, last_logits
 
 
-def elastic_engine(folder, base, reserve, lend_step_tokens, max_num_seqs=8):
+def elastic_engine(folder, base, reserve, lend_step_tokens, max_num_seqs=8, async_scheduling=False):
     """An engine whose config asks for elastic KV with a logical reserve (CPU) and an eager lending policy."""
     return LLMEngine(EngineConfig.from_flat(model=folder, num_kv_blocks=base + reserve, block_size=BS,
                                             max_model_len=base * BS, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=256, elastic="elastic", reserve_blocks=reserve,
                                             elastic_lend_step_tokens=lend_step_tokens, elastic_lend_after_steps=1,
-                                            elastic_min_lend_steps=0))
+                                            elastic_min_lend_steps=0, async_scheduling=async_scheduling))
 
 
 class Guard:
@@ -240,23 +240,30 @@ def test_reclaim_action_copies_blocks_on_every_layer(tiny):
         assert not (c[9] == 3.0).all()                                    # scribbled: unmapped memory is garbage
 
 
-def test_a_lower_budget_gives_reserve_blocks_to_the_kv_pool_and_a_higher_one_takes_them_back(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_lower_budget_gives_reserve_blocks_to_the_kv_pool_and_a_higher_one_takes_them_back(tiny, async_scheduling):
     """The chunk knob at run time: lowering max_num_batched_tokens grants the reserve blocks its smaller steps do
     not need (usable KV grows), raising it gives them back with their live K/V moved below (or the newest
-    sequences preempted); the greedy tokens match a plain engine's, which a missed copy would change."""
+    sequences preempted); the greedy tokens match a plain engine's, which a missed copy would change. With async
+    scheduling the change lands while a step is still pending: a sequence it preempts must not keep that step's
+    progress (it recomputes from its tokens when readmitted)."""
     folder, vocab, _ = tiny
     rng = random.Random(2)
     requests = [(f"r{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(20, 90))],
                  SamplingParams(temperature=0.0, max_tokens=rng.randint(30, 70), ignore_eos=True))
                 for i in range(24)]
-    engine = elastic_engine(folder, base=24, reserve=16, lend_step_tokens=12)
+    engine = elastic_engine(folder, base=24, reserve=16, lend_step_tokens=12, async_scheduling=async_scheduling)
     guard = Guard(engine)
     bm, kv = engine.block_manager, engine.runner.kv
     usable = bm.num_usable_blocks
+    pending_at_change = []
+    if async_scheduling:
+        engine.reconfigure(elastic="off")          # a step may stay pending only while nothing is lent
     budgets = {0: 64, 40: 256, 70: 16, 110: 64, 150: 256, 190: 32}
     got, granted, grown, step = {}, [], [], 0
     while step < 200 or engine.has_unfinished:
         if step in budgets:
+            pending_at_change.append(engine._pending is not None)
             engine.reconfigure(max_num_batched_tokens=budgets[step])
             granted.append(engine.get_stats().reserve_granted_blocks)
             assert kv.num_base == bm.num_base == kv.memory.num_base and sum(kv.grants) == granted[-1]
@@ -270,10 +277,11 @@ def test_a_lower_budget_gives_reserve_blocks_to_the_kv_pool_and_a_higher_one_tak
     assert granted[0] > 0 and granted[1] == 0 and granted[2] > granted[0]
     assert max(grown) >= granted[2], "the granted blocks never showed as usable KV"
     stats = engine.get_stats()
-    assert stats.blocks_migrated > 0 and stats.lend_total > 0
+    assert stats.blocks_migrated > 0 and (stats.lend_total > 0) != async_scheduling
     engine.reconfigure(max_num_batched_tokens=256)
     assert bm.num_base == 24 and bm.num_reserve == 16 and not kv.grants
     assert guard.steps > 0
+    assert any(pending_at_change) == async_scheduling
     check_same(tiny, requests, got, reference(folder, requests))
 
 

@@ -136,3 +136,31 @@ def test_speculation_and_elastic_lending_run_synchronously(tiny):
     got, stats = run(tiny, params, prompts=PROMPTS[:3], async_scheduling=True, elastic="elastic",
                      reserve_blocks=4)
     assert stats.steps_ahead == 0 and got == want
+
+
+def test_a_reconfigure_between_steps_finishes_the_pending_one_and_its_outputs_go_out_with_the_next(tiny):
+    """`reconfigure` may preempt (a budget grant taken back), so it finishes the pending step first: the tokens
+    are the sequences' before anything moves, and that step's outputs, the last request's final one included,
+    come from the next `step()` (the engine is unfinished until they have)."""
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    alone, _ = run(tiny, [params] * 3, prompts=PROMPTS[:3])
+    llm = LLM(model=tiny, async_scheduling=True, **ENGINE)
+    try:
+        eng = llm.engine
+        for i in range(3):
+            eng.add_request(f"r{i}", PROMPTS[i], params, stream=False)
+        done, changes = {}, 0
+        for _ in range(200):
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            if eng._pending is not None:
+                eng.reconfigure(max_num_batched_tokens=128 if changes % 2 else 256)
+                changes += 1
+                assert eng._pending is None and eng.has_unfinished
+            if not eng.has_unfinished:
+                break
+        assert changes > 0 and eng.stats.steps_ahead == 0
+    finally:
+        llm.shutdown()
+    assert done == {f"r{i}": alone[i][0][0] for i in range(3)}
