@@ -8,7 +8,11 @@ change), and the policies keep a hysteresis band of their own.
 - `static`: changes nothing.
 - `chunk`: the smallest `max_num_batched_tokens` that keeps TTFT within the SLO. Halves the budget while the
   p90 TTFT of the requests finished since the last change stays under `headroom` x SLO, doubles it (up to the
-  budget the engine reserved activation memory for) once it is over the SLO; between the two it holds.
+  budget the engine reserved activation memory for) once it is over the SLO; between the two it holds. TTFT is
+  not monotone in the budget (a large step stalls the short prompts queued behind a long one), so over the SLO
+  it climbs on what it measured: it remembers each budget's p90 for `window_s`, does not double into a budget
+  measured worse than the current one, and halves instead (at the engine's limit too) unless the lower budget
+  was measured worse as well; then it holds.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
@@ -142,15 +146,27 @@ class ChunkPolicy(ConfiguredPolicy):
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
         cfg = self.cfg
         budget, limit = view.stats.max_num_batched_tokens, view.budget_limit
+        floor = min(cfg.min_budget, limit)
         window = judged_window(view, state, now, cfg)
         if len(window) < cfg.min_requests:
             return []
         p90_ms = window.ttft_quantile(0.9) * 1e3
-        if p90_ms > cfg.ttft_slo_ms and budget < limit:
-            return [Decision("max_num_batched_tokens", min(limit, 2 * budget), "ttft_over_slo")]
-        if p90_ms < cfg.headroom * cfg.ttft_slo_ms and budget > min(cfg.min_budget, limit):
-            return [Decision("max_num_batched_tokens", max(min(cfg.min_budget, limit), budget // 2),
-                             "ttft_within_slo")]
+        measured = {b: m for b, m in state.get("ttft_p90", {}).items() if now - m[1] <= cfg.window_s}
+        measured[str(budget)] = (p90_ms, now)
+        state["ttft_p90"] = measured
+
+        def worse(other: int) -> bool:
+            """`other` budget's recent p90 TTFT was no better than this budget's now."""
+            return str(other) in measured and measured[str(other)][0] >= p90_ms
+        if p90_ms > cfg.ttft_slo_ms:
+            higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
+            if budget < limit and not worse(higher):
+                return [Decision("max_num_batched_tokens", higher, "ttft_over_slo")]
+            if budget > floor and not worse(lower):
+                return [Decision("max_num_batched_tokens", lower, "ttft_over_slo_lower")]
+            return []
+        if p90_ms < cfg.headroom * cfg.ttft_slo_ms and budget > floor:
+            return [Decision("max_num_batched_tokens", max(floor, budget // 2), "ttft_within_slo")]
         return []
 
 

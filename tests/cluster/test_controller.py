@@ -47,7 +47,28 @@ def test_chunk_halves_within_the_slo_doubles_over_it_and_holds_in_between():
     assert chunk.decide(view([10]), {}, now=11.0) == []                         # too few requests to judge
     assert chunk.decide(view([10, 10], at=5.0), {"changed_at": 6.0}, now=11.0) == []    # before the last change
     assert chunk.decide(view([10, 10], budget=64), {}, now=11.0) == []          # at its floor
-    assert chunk.decide(view([500, 500], budget=1024), {}, now=11.0) == []      # at the engine's limit
+
+
+def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larger_steps_help():
+    """TTFT is not monotone in the budget: at the engine's limit and over the SLO, chunk tries a lower budget; it
+    does not go back into a budget it measured worse, and holds where both neighbours measured worse. What it
+    measured expires after `window_s`."""
+    chunk = ChunkPolicy(CFG)
+    state = {}
+    assert chunk.decide(view([500, 500], budget=1024), state, now=11.0) == [
+        Decision("max_num_batched_tokens", 512, "ttft_over_slo_lower")]
+    # 512 is better than 1024 was, still over the SLO: not back up to 1024, lower again
+    assert chunk.decide(view([300, 300], budget=512), state, now=12.0) == [
+        Decision("max_num_batched_tokens", 256, "ttft_over_slo_lower")]
+    # 256 is worse than 512 was: back up to 512
+    assert chunk.decide(view([450, 450], budget=256), state, now=13.0) == [
+        Decision("max_num_batched_tokens", 512, "ttft_over_slo")]
+    # 512 measures 300 again: 1024 (500) and 256 (450) both worse: hold
+    assert chunk.decide(view([300, 300], budget=512), state, now=14.0) == []
+    # a minute on, what it measured has expired: it tries again
+    assert chunk.decide(view([300, 300], budget=512, at=100.0), state, now=80.0 + CFG.window_s) == [
+        Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
+    assert chunk.decide(view([500, 500], budget=64, limit=64), {}, now=11.0) == []     # nowhere to go
 
 
 def test_elastic_lends_under_kv_pressure_and_stops_under_prefill_pressure():
