@@ -2,12 +2,13 @@
 parallel over every GPU of the machine (Ray Train), resumable across short calls.
 
     python -m speculative.train --pairs data/pairs.jsonl --regenerate 20000 --out runs/drafter --steps 4000 \
-        --max-seconds 540 [--resume runs/drafter]
+        --max-seconds 540 [--resume runs/drafter] [--heldout-pairs data/heldout.jsonl --regenerate-heldout 256]
 
 Data: with `--regenerate N` the target answers N ShareGPT train-split prompts through tidal's own engine
 (offline batched generation, one engine per GPU) into `--pairs`, `--regenerate-passes` times (greedy, then
 sampled with a seed per prompt and pass), continuing a partly written file; otherwise
-`--pairs` is read as it is. Target features (the frozen target's hidden states the drafter reads) are cached by
+`--pairs` is read as it is. With `--regenerate-heldout N` the target answers N prompts of ShareGPT's held-out
+split (greedy) into `--heldout-pairs` the same way, for the log's held-out accept length. Target features (the frozen target's hidden states the drafter reads) are cached by
 default: each worker's target runs once over its shard before the first step (`--target-features online`: inside
 every step instead). `run.json` in the output folder records which data and features a run used.
 """
@@ -69,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answers per prompt: the first greedy, the others sampled at --regenerate-temperature, "
                         "each with its own seed (the file holds the passes one after the other)")
     p.add_argument("--regenerate-temperature", type=_above_zero(float), default=0.8)
+    p.add_argument("--regenerate-heldout", type=int, default=0,
+                   help="with --heldout-pairs: have the target answer this many held-out prompts (greedy) into that "
+                        "file first (continues a partly written file; skipped when it is complete)")
+    p.add_argument("--heldout-prompts-file", default=None,
+                   help="JSON list of prompts for --regenerate-heldout (default: ShareGPT's held-out split)")
     p.add_argument("--max-response", type=int, default=512)
     p.add_argument("--out", required=True, help="output folder: train_log.jsonl, run.json, checkpoints/, drafter/")
     p.add_argument("--resume", default=None,
@@ -106,25 +112,46 @@ def _load_prompts(args) -> list[str]:
     return sharegpt_prompts("train", limit=args.regenerate)
 
 
+def _heldout_prompts(args) -> list[str]:
+    from speculative.train_data import sharegpt_prompts
+    if args.heldout_prompts_file:
+        with open(args.heldout_prompts_file) as f:
+            return json.load(f)[:args.regenerate_heldout]
+    return sharegpt_prompts("heldout", limit=args.regenerate_heldout)
+
+
 def _regenerate(args, use_gpu: bool, one_engine: bool, deadline: Optional[float]) -> Optional[dict]:
-    from speculative.train_data import count_lines, passes_of, regenerate_to_file
+    from speculative.train_data import count_lines, passes_of
     if count_lines(args.pairs) >= args.regenerate * args.regenerate_passes:
         return None
     seconds = args.regenerate_seconds
     if deadline:
         seconds = min(seconds or float("inf"), max(1.0, (deadline - time.time()) / 2))
-    engines = torch.cuda.device_count() if use_gpu and not one_engine else 1
-    os.makedirs(os.path.dirname(os.path.abspath(args.pairs)), exist_ok=True)
     asks = passes_of(_load_prompts(args), args.regenerate_passes, args.regenerate_temperature)
-    stats = regenerate_to_file(args.pairs, asks, args.target, args.max_response, engines=engines,
-                               seconds=seconds if seconds != float("inf") else 0.0)
+    return _answer_into(args.pairs, asks, args, use_gpu, one_engine, seconds if seconds != float("inf") else 0.0)
+
+
+def _regenerate_heldout(args, use_gpu: bool, one_engine: bool) -> Optional[dict]:
+    from speculative.train_data import count_lines, passes_of
+    if count_lines(args.heldout_pairs) >= args.regenerate_heldout:
+        return None
+    return _answer_into(args.heldout_pairs, passes_of(_heldout_prompts(args), 1, 1.0), args, use_gpu, one_engine)
+
+
+def _answer_into(path: str, asks: list, args, use_gpu: bool, one_engine: bool, seconds: float = 0.0) -> dict:
+    """The target's answers to `asks` appended to the jsonl `path` (one engine per GPU unless `one_engine`)."""
+    from speculative.train_data import regenerate_to_file
+    engines = torch.cuda.device_count() if use_gpu and not one_engine else 1
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    stats = regenerate_to_file(path, asks, args.target, args.max_response, engines=engines, seconds=seconds)
     gc.collect()                           # the engine's KV cache, before the training workers take the GPUs
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return stats
 
 
-def _data_record(args, previous: dict, regenerated: Optional[dict]) -> dict:
+def _data_record(args, previous: dict, regenerated: Optional[dict], heldout: Optional[dict]) -> dict:
     calls = previous.get("data", {}).get("regeneration_calls", []) + ([regenerated] if regenerated else [])
+    heldout_calls = previous.get("data", {}).get("heldout_regeneration_calls", []) + ([heldout] if heldout else [])
     if args.regenerate:
         source = ("regenerated by the target through tidal's engine (replicas.LLM, offline batched generation) "
                   f"from {args.prompts_file or 'the ShareGPT train split'}, {args.max_response} tokens, greedy"
@@ -132,7 +159,14 @@ def _data_record(args, previous: dict, regenerated: Optional[dict]) -> dict:
                      if args.regenerate_passes > 1 else ""))
     else:
         source = f"read from {args.pairs} as given"
-    return {"pairs": os.path.abspath(args.pairs), "source": source, "regeneration_calls": calls}
+    record = {"pairs": os.path.abspath(args.pairs), "source": source, "regeneration_calls": calls}
+    if args.heldout_pairs:
+        record["heldout"] = {
+            "pairs": os.path.abspath(args.heldout_pairs),
+            "source": (f"regenerated by the target from {args.heldout_prompts_file or 'the ShareGPT held-out split'}, "
+                       f"{args.max_response} tokens, greedy" if args.regenerate_heldout else "read as given"),
+            "regeneration_calls": heldout_calls}
+    return record
 
 
 def _write_run_record(out: str, record: dict) -> None:
@@ -151,6 +185,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run(args, argv: Optional[list[str]] = None) -> int:
     start = time.time()
+    if args.regenerate_heldout and not args.heldout_pairs:
+        raise SystemExit("--regenerate-heldout writes into --heldout-pairs: give that file")
     deadline = start + args.max_seconds if args.max_seconds else None
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     if cfg.heldout_pairs:
@@ -174,9 +210,10 @@ def run(args, argv: Optional[list[str]] = None) -> int:
     peak = cfg.peak_flops or (device_peak_flops(torch.device("cuda", 0)) if use_gpu else None)
     with (contextlib.nullcontext() if local else local_ray()):
         regenerated = _regenerate(args, use_gpu, local, deadline) if args.regenerate else None
+        heldout = _regenerate_heldout(args, use_gpu, local) if args.regenerate_heldout else None
         record = {"command": sys.argv[:1] + list(argv if argv is not None else sys.argv[1:]),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                  "data": _data_record(args, previous, regenerated),
+                  "data": _data_record(args, previous, regenerated, heldout),
                   "target_features": FEATURE_NOTES[cfg.target_features],
                   "launcher": "local" if local else "ray", "workers": workers, "device": "cuda" if use_gpu else "cpu",
                   "peak_flops_per_device": peak,

@@ -156,3 +156,26 @@ def test_both_feature_modes_train_on_trimmed_pairs_and_evaluate_fixed_heldout_ba
         first = trainer.heldout_metrics()
         assert set(first) == {"heldout_accept_len", "heldout_accuracy"}
         assert {k: v.item() for k, v in trainer.heldout_metrics().items()} == {k: v.item() for k, v in first.items()}
+
+
+@pytest.mark.timeout(120)
+def test_held_out_pairs_are_regenerated_by_the_target_once_and_recorded(tiny_data, capsys):
+    root, target = tiny_data
+    prompts = root / "heldout_prompts.json"
+    prompts.write_text(json.dumps(["name a colour", "count to three", "say hi", "one more"]))
+    path = root / "regen" / "heldout.jsonl"
+    flags = ["--heldout-pairs", str(path), "--regenerate-heldout", "3", "--heldout-prompts-file", str(prompts),
+             "--max-response", "8"]
+    records = run_tiny(root, target, "regen-heldout", *flags)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 3 and all(0 < len(p["response_ids"]) <= 8 for p in lines)
+    assert "held-out pairs: 3" in capsys.readouterr().out
+    assert all("heldout_accept_len" in r for r in records)
+    run = json.loads((root / "regen-heldout" / "run.json").read_text())
+    assert run["data"]["heldout"]["regeneration_calls"][0]["pairs_written"] == 3
+    run_tiny(root, target, "regen-heldout-again", *flags)                  # complete: not answered again
+    assert path.read_text().count("\n") == 3
+    again = json.loads((root / "regen-heldout-again" / "run.json").read_text())
+    assert again["data"]["heldout"]["regeneration_calls"] == []
+    with pytest.raises(SystemExit):
+        run_tiny(root, target, "no-file", "--regenerate-heldout", "3")
