@@ -287,7 +287,8 @@ def summarize(rows: dict[str, list[dict]], engine: LLMEngine, args) -> dict:
                   for r in range(min(len(rows[p]) for p in ["auto", *statics]))]
         out["auto_goodput_vs_best_static_repeats"] = [round(x, 4) for x in paired]
         best_cold = max(out["policies"][p]["goodput_cold"] for p in statics)
-        out["auto_goodput_cold_vs_best_static"] = round(out["policies"]["auto"]["goodput_cold"] / max(best_cold, 1e-9), 4)
+        auto_cold = out["policies"]["auto"]["goodput_cold"]
+        out["auto_goodput_cold_vs_best_static"] = round(auto_cold / max(best_cold, 1e-9), 4)
         out["auto_chose"] = [r["auto_state"] for r in rows["auto"]]
     out["repeats"] = min((len(runs) for runs in rows.values()), default=0)
     out["runs"] = rows

@@ -4,13 +4,14 @@ parallel over every GPU of the machine (Ray Train), resumable across short calls
     python -m speculative.train --pairs data/pairs.jsonl --regenerate 20000 --out runs/drafter --steps 4000 \
         --max-seconds 540 [--resume runs/drafter] [--heldout-pairs data/heldout.jsonl --regenerate-heldout 256]
 
-Data: with `--regenerate N` the target answers N ShareGPT train-split prompts through tidal's own engine
-(offline batched generation, one engine per GPU) into `--pairs`, `--regenerate-passes` times (greedy, then
-sampled with a seed per prompt and pass), continuing a partly written file; otherwise
-`--pairs` is read as it is. With `--regenerate-heldout N` the target answers N prompts of ShareGPT's held-out
-split (greedy) into `--heldout-pairs` the same way, for the log's held-out accept length. Target features (the frozen target's hidden states the drafter reads) are cached by
-default: each worker's target runs once over its shard before the first step (`--target-features online`: inside
-every step instead). `run.json` in the output folder records which data and features a run used.
+Data: with `--regenerate N` the target answers N ShareGPT train-split prompts through tidal's own engine (offline
+batched generation, one engine per GPU) into `--pairs`, `--regenerate-passes` times (greedy, then sampled with a
+seed per prompt and pass), continuing a partly written file; otherwise `--pairs` is read as it is. With
+`--regenerate-heldout N` the target answers N prompts of ShareGPT's held-out split (greedy) into `--heldout-pairs`
+the same way, for the log's held-out accept length. Target features (the frozen target's hidden states the drafter
+reads) are cached by default: each worker's target runs once over its shard before the first step
+(`--target-features online`: inside every step instead). `run.json` in the output folder records which data and
+features a run used.
 """
 from __future__ import annotations
 
