@@ -188,9 +188,9 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     engine.drain_finished_timings()
     wall = time.monotonic() - start
     after = engine.get_stats()
-    timings = [t for t in timings if t.finish_reason != "abort"]
-    learning = [t for t in timings if t.request_id not in counted]
-    timings = [t for t in timings if t.request_id in counted]
+    served = [t for t in timings if t.finish_reason != "abort"]
+    timings = [t for t in served if t.request_id in counted]
+    learning = [t for t in served if t.request_id not in counted]
     ttft = [t.first_token_time - t.arrival_time for t in timings]
     ttft_long = [t.first_token_time - t.arrival_time for t in timings if kinds[t.request_id] == "long"]
     gaps = [g for t in timings if kinds[t.request_id] == "decode" for g in t.inter_token_latencies]
@@ -198,8 +198,8 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     def latencies(done: list) -> list[tuple[float, float]]:
         return [(t.first_token_time - t.arrival_time,
                  (t.finish_time - t.first_token_time) / max(1, t.num_generation_tokens - 1)) for t in done]
-    out_tokens = sum(t.num_generation_tokens for t in timings + learning)
-    last = max((t.finish_time for t in timings + learning), default=start + 1e-9) - start
+    out_tokens = sum(t.num_generation_tokens for t in served)
+    last = max((t.finish_time for t in served), default=start + 1e-9) - start
     return {"policy": policy, "requests": len(counted), "requests_learning": len(trace) - len(counted),
             "finished": len(timings), "cut": len(cut),
             "request_latencies_s": latencies(timings), "learning_latencies_s": latencies(learning),

@@ -205,13 +205,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._compiling:
             self._admit_compiled()
-        outputs, self._finished_early = self._finished_early, []
+        outputs, self._finished_early = self._finished_early, []    # only where no step is pending (reconfigure)
         spec = self.speculator if self.speculation and self.speculator.enabled else None
         if self._pending is not None:
             ahead = self.scheduler.schedule_ahead({id(s) for s in self._pending.sampling_seqs}) \
                 if self._overlap_allowed(spec) else None
             if ahead is not None:
-                return outputs + self._step_ahead(ahead)
+                return self._step_ahead(ahead)
             pending, self._pending = self._pending, None
             outputs += self._finish(pending)
         if self.elastic is not None:
@@ -710,13 +710,8 @@ class TokenReadback:
     def finish(self, handle) -> list[int]:
         if not self.cuda:
             return handle.tolist()
-        self.wait()
+        self.event.synchronize()            # the outstanding copy, the last work of its step
         return self.buffer[:handle].tolist()
-
-    def wait(self) -> None:
-        """Until the outstanding copy (the last work of its step) is done."""
-        if self.cuda:
-            self.event.synchronize()
 
 
 def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -55,6 +55,20 @@ def run(model: str, params, prompts=PROMPTS, **engine):
         llm.shutdown()
 
 
+def step_until_done(eng, between) -> dict[str, list[int]]:
+    """Step `eng` until it is done (at most 200 steps), calling `between(step)` after each; the finished
+    requests' token ids."""
+    done = {}
+    for step in range(200):
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        between(step)
+        if not eng.has_unfinished:
+            break
+    return done
+
+
 def test_outputs_equal_the_synchronous_engines(tiny):
     want, sync_stats = run(tiny, mixed_params())
     got, stats = run(tiny, mixed_params(), async_scheduling=True)
@@ -96,18 +110,14 @@ def test_aborts_and_arrivals_between_steps(tiny):
         eng = llm.engine
         for i in range(4):
             eng.add_request(f"r{i}", PROMPTS[i], params, stream=False)
-        done = {}
-        for step in range(200):
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+
+        def between(step):
             if step == 5:
                 assert eng._pending is not None           # the abort lands between launch and read-back
                 eng.abort("r1")
             if step in (8, 13):
                 eng.add_request(f"r{4 + (step == 13)}", PROMPTS[4 + (step == 13)], params, stream=False)
-            if not eng.has_unfinished:
-                break
+        done = step_until_done(eng, between)
         assert eng.stats.steps_ahead > 0
     finally:
         llm.shutdown()
@@ -149,18 +159,15 @@ def test_a_reconfigure_between_steps_finishes_the_pending_one_and_its_outputs_go
         eng = llm.engine
         for i in range(3):
             eng.add_request(f"r{i}", PROMPTS[i], params, stream=False)
-        done, changes = {}, 0
-        for _ in range(200):
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+        changes = []
+
+        def between(step):
             if eng._pending is not None:
-                eng.reconfigure(max_num_batched_tokens=128 if changes % 2 else 256)
-                changes += 1
+                eng.reconfigure(max_num_batched_tokens=128 if len(changes) % 2 else 256)
+                changes.append(step)
                 assert eng._pending is None and eng.has_unfinished
-            if not eng.has_unfinished:
-                break
-        assert changes > 0 and eng.stats.steps_ahead == 0
+        done = step_until_done(eng, between)
+        assert changes and eng.stats.steps_ahead == 0
     finally:
         llm.shutdown()
     assert done == {f"r{i}": alone[i][0][0] for i in range(3)}

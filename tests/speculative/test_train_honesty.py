@@ -177,5 +177,8 @@ def test_held_out_pairs_are_regenerated_by_the_target_once_and_recorded(tiny_dat
     assert path.read_text().count("\n") == 3
     again = json.loads((root / "regen-heldout-again" / "run.json").read_text())
     assert again["data"]["heldout"]["regeneration_calls"] == []
+    run_tiny(root, target, "regen-heldout", *flags)                        # a later run in the same folder
+    kept = json.loads((root / "regen-heldout" / "run.json").read_text())["data"]["heldout"]["regeneration_calls"]
+    assert [c["pairs_written"] for c in kept] == [3]                        # keeps the calls recorded before
     with pytest.raises(SystemExit):
         run_tiny(root, target, "no-file", "--regenerate-heldout", "3")
