@@ -48,8 +48,9 @@ Targets: added median TTFT <= 5 ms, Serve/direct output throughput >= 0.90 at 64
 --streaming: the direct engine and the front door only, --concurrency 256 by default; writes the `streaming`
 section of --out, keeping the file's other keys (`tpot_ms_c1`: mean TPOT of the one-at-a-time run through the front
 door; `p99_itl_ms_c256`, `median_itl_ms_c256`, `mean_tpot_ms_c256`: its loaded run (`p99_itl_ms_c256_steady`: of
-its steady state); `throughput_ratio`: Serve over direct output tok/s loaded; `failed`: requests that failed on any
-path; the _c256 keys hold --concurrency, `concurrency` records it; medians over repeats, `each_repeat`). Targets:
+its steady state); `throughput_ratio`: Serve over direct output tok/s loaded, each path's repeats pooled (tokens
+over seconds); `failed`: requests that failed on any path; the _c256 keys hold --concurrency, `concurrency` records
+it; the others medians over repeats, `each_repeat` each repeat's with its own ratio). Targets:
 TPOT <= 1.3 ms at one stream, p99 ITL <= 50 ms at 256 streams, throughput ratio >= 0.90, nothing failed.
 """
 from __future__ import annotations
@@ -395,11 +396,19 @@ def streaming(serve: dict, direct: dict) -> dict:
             "throughput_ratio": serve["loaded"]["output_tok_s"] / direct["loaded"]["output_tok_s"]}
 
 
+def pooled_tok_s(runs: list[dict]) -> float:
+    """Output tok/s of the loaded runs taken together: their tokens over their seconds."""
+    return sum(r["loaded"]["output_tokens"] for r in runs) / sum(r["loaded"]["seconds"] for r in runs)
+
+
 def streaming_over_repeats(serves: list[dict], directs: list[dict]) -> dict:
-    """`streaming` of each repeat; the headline is each figure's median, and every failure of every repeat."""
+    """`streaming` of each repeat; the headline is each figure's median and every failure of every repeat, but the
+    throughput ratio pools each path's repeats (tokens over seconds): a loaded run lasts a few seconds, and the
+    two paths are separate engines, so pairing them by repeat only adds the noise of two short runs."""
     each = [streaming(s, d) for s, d in zip(serves, directs)]
     out = {k: statistics.median(e[k] for e in each) for k in each[0]}
     out["failed"] = sum(e["failed"] for e in each)
+    out["throughput_ratio"] = pooled_tok_s(serves) / pooled_tok_s(directs)
     out["meets_targets"] = {"failed": out["failed"] == 0, "tpot_ms_c1": out["tpot_ms_c1"] <= TPOT_TARGET_MS,
                             "p99_itl_ms_c256": out["p99_itl_ms_c256"] <= ITL_P99_TARGET_MS,
                             "throughput_ratio": out["throughput_ratio"] >= THROUGHPUT_TARGET}
