@@ -6,13 +6,17 @@ controller bounds what a policy decides (`Controller.bounded`) and rate-limits i
 change), and the policies keep a hysteresis band of their own.
 
 - `static`: changes nothing.
-- `chunk`: the smallest `max_num_batched_tokens` that keeps TTFT within the SLO. Halves the budget while the
-  p90 TTFT of the requests finished since the last change stays under `headroom` x SLO, doubles it (up to the
-  budget the engine reserved activation memory for) once it is over the SLO; between the two it holds. TTFT is
-  not monotone in the budget (a large step stalls the short prompts queued behind a long one), so over the SLO
-  it climbs on what it measured: it remembers each budget's p90 for `window_s`, does not double into a budget
-  measured worse than the current one, and halves instead (at the engine's limit too) unless the lower budget
-  was measured worse as well; then it holds.
+- `chunk`: the smallest `max_num_batched_tokens` that keeps TTFT within the SLO while KV is short. A lower budget
+  pays only in KV blocks (the activation memory it frees), and costs prefill throughput: the queue's prompts get
+  fewer tokens per step. So it halves the budget only while KV is short (usage at or above `kv_pressure`, or
+  preemptions, or admissions that waited for free blocks since its last round) and the p90 TTFT of the requests
+  finished since the last change stays under `headroom` x SLO; with KV to spare (usage below `kv_pressure` -
+  `kv_band`, none of those) and prompts waiting, it doubles a lowered budget back. Over the SLO it doubles (up to
+  the budget the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the budget
+  (a large step stalls the short prompts queued behind a long one), so over the SLO it climbs on what it
+  measured: it remembers each budget's p90 for `window_s`, does not double into a budget measured worse than the
+  current one, and halves instead (at the engine's limit too) unless the lower budget was measured worse as
+  well; then it holds.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
@@ -48,6 +52,7 @@ class ControllerConfig:
     itl_slo_ms: float = 100.0
     min_budget: int = 256               # chunk never goes below (nor below what the engine allows)
     kv_pressure: float = 0.90
+    kv_band: float = 0.20               # chunk raises a lowered budget only while KV usage < kv_pressure - kv_band
     min_requests: int = 4               # finished requests a latency judgment needs
     window_s: float = 60.0              # a judgment looks at most this far back
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
@@ -158,16 +163,29 @@ class ChunkPolicy(ConfiguredPolicy):
         def worse(other: int) -> bool:
             """`other` budget's recent p90 TTFT was no better than this budget's now."""
             return str(other) in measured and measured[str(other)][0] >= p90_ms
+        higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
         if p90_ms > cfg.ttft_slo_ms:
-            higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
             if budget < limit and not worse(higher):
                 return [Decision("max_num_batched_tokens", higher, "ttft_over_slo")]
             if budget > floor and not worse(lower):
                 return [Decision("max_num_batched_tokens", lower, "ttft_over_slo_lower")]
             return []
-        if p90_ms < cfg.headroom * cfg.ttft_slo_ms and budget > floor:
-            return [Decision("max_num_batched_tokens", max(floor, budget // 2), "ttft_within_slo")]
+        s = view.stats
+        if self._kv_short(s, state):
+            if p90_ms < cfg.headroom * cfg.ttft_slo_ms and budget > floor:
+                return [Decision("max_num_batched_tokens", lower, "ttft_within_slo")]
+        elif budget < limit and s.num_waiting > 0 and s.kv_cache_usage < cfg.kv_pressure - cfg.kv_band:
+            return [Decision("max_num_batched_tokens", higher, "prompts_waiting_kv_spare")]
         return []
+
+    def _kv_short(self, s: EngineStats, state: dict) -> bool:
+        """KV usage at or above `kv_pressure` now, or preemptions or admissions that waited for free blocks since
+        the last round."""
+        seen = state.get("kv_counters", {})
+        waited = s.preemptions - seen.get("preemptions", s.preemptions) \
+            + s.kv_admission_waits - seen.get("kv_admission_waits", s.kv_admission_waits)
+        state["kv_counters"] = {"preemptions": s.preemptions, "kv_admission_waits": s.kv_admission_waits}
+        return s.kv_cache_usage >= self.cfg.kv_pressure or waited > 0
 
 
 class ElasticPolicy(ConfiguredPolicy):

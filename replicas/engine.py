@@ -638,6 +638,7 @@ class LLMEngine:
         """A snapshot: the engine's counters with the current gauges (readers never see it move)."""
         s = replace(self.stats, spec_accepted_by_position=list(self.stats.spec_accepted_by_position))
         s.preemptions = self.scheduler.num_preemptions      # recompute preemptions, elastic reclaims included
+        s.kv_admission_waits = self.scheduler.num_kv_admission_waits
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_blocks_total = self.block_manager.num_usable_blocks

@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_kv_admission_waits = 0   # admissions stopped because the queue's head did not fit in free blocks
         self.spec_budget = 0          # draft nodes per decoding sequence this step (set by the engine)
         self.num_constrained_plain = 0    # decode rows of constrained sequences that would have drafted
 
@@ -144,6 +145,7 @@ class Scheduler:
             if not bm.can_allocate(seq, seq.num_uncomputed_tokens):     # the whole prompt, not just this chunk
                 if fresh:
                     bm.unmatch_prefix(seq)             # give back the cache hits; retry next step
+                self.num_kv_admission_waits += 1
                 break
             self.waiting.popleft()
             if seq.first_scheduled_time is None:

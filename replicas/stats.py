@@ -39,6 +39,7 @@ class EngineStats:
     prefix_cache_queries: int = 0          # prompt tokens looked up
     prefix_cache_hits: int = 0             # prompt tokens served from cache
     preemptions: int = 0
+    kv_admission_waits: int = 0            # admissions stopped because the queue's head did not fit in free KV blocks
     requests_finished: int = 0
     iteration_tokens_total: int = 0
     # elastic KV (filled by memory.elastic when enabled)

@@ -37,16 +37,36 @@ def view(ttft_ms=(), itl_ms=None, at=10.0, budget=256, limit=1024, elastic=True,
     return ReplicaView("r0", s, budget_limit=limit, elastic_available=elastic, recent=recent, state=state or {})
 
 
-def test_chunk_halves_within_the_slo_doubles_over_it_and_holds_in_between():
+def test_chunk_halves_within_the_slo_while_kv_is_short_doubles_over_it_and_holds_in_between():
     chunk = ChunkPolicy(CFG)
-    assert chunk.decide(view([10, 20, 30]), {}, now=11.0) == [Decision("max_num_batched_tokens", 128,
-                                                                       "ttft_within_slo")]
+    short = dict(kv_blocks_used=95)                                             # usage 0.95 >= kv_pressure
+    assert chunk.decide(view([10, 20, 30], **short), {}, now=11.0) == [Decision("max_num_batched_tokens", 128,
+                                                                                "ttft_within_slo")]
     assert chunk.decide(view([150, 200, 300]), {}, now=11.0) == [Decision("max_num_batched_tokens", 512,
                                                                           "ttft_over_slo")]
-    assert chunk.decide(view([70, 80, 90]), {}, now=11.0) == []                 # the hysteresis band
-    assert chunk.decide(view([10]), {}, now=11.0) == []                         # too few requests to judge
-    assert chunk.decide(view([10, 10], at=5.0), {"changed_at": 6.0}, now=11.0) == []    # before the last change
-    assert chunk.decide(view([10, 10], budget=64), {}, now=11.0) == []          # at its floor
+    assert chunk.decide(view([70, 80, 90], **short), {}, now=11.0) == []        # the hysteresis band
+    assert chunk.decide(view([10], **short), {}, now=11.0) == []                # too few requests to judge
+    assert chunk.decide(view([10, 10], at=5.0, **short), {"changed_at": 6.0}, now=11.0) == []  # before the change
+    assert chunk.decide(view([10, 10], budget=64, **short), {}, now=11.0) == []     # at its floor
+
+
+def test_chunk_lowers_the_budget_only_for_kv_and_gives_it_back_to_waiting_prompts_when_kv_is_spare():
+    """A lower budget buys KV blocks and costs prefill throughput: with KV to spare chunk holds however fast the
+    first tokens are, lowers once admissions waited for blocks (or preempted) since its last round, and doubles a
+    lowered budget back while prompts wait and usage is below kv_pressure - kv_band."""
+    chunk, state = ChunkPolicy(CFG), {}
+    assert chunk.decide(view([10, 10], kv_blocks_used=50, kv_admission_waits=3), state, now=11.0) == []
+    assert chunk.decide(view([10, 10], kv_blocks_used=50, kv_admission_waits=3), state, now=12.0) == []
+    assert chunk.decide(view([10, 10], kv_blocks_used=50, kv_admission_waits=5), state, now=13.0) == [
+        Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
+    assert chunk.decide(view([10, 10], kv_blocks_used=50, preemptions=1), {"kv_counters": {
+        "preemptions": 0, "kv_admission_waits": 0}}, now=13.0) == [
+        Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
+    assert chunk.decide(view([10, 10], budget=128, kv_blocks_used=50, num_waiting=4), {}, now=11.0) == [
+        Decision("max_num_batched_tokens", 256, "prompts_waiting_kv_spare")]
+    assert chunk.decide(view([10, 10], budget=128, kv_blocks_used=50), {}, now=11.0) == []      # nobody waits
+    assert chunk.decide(view([10, 10], budget=128, kv_blocks_used=80, num_waiting=4), {}, now=11.0) == []  # band
+    assert chunk.decide(view([10, 10], budget=1024, kv_blocks_used=10, num_waiting=4), {}, now=11.0) == []  # limit
 
 
 def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larger_steps_help():
@@ -174,7 +194,7 @@ class RecordingFleet:
 
 
 def test_bounds_rate_limit_advisory_and_state_that_survives_a_restart():
-    fleet = RecordingFleet([view([10, 10, 10], at=0.5)])
+    fleet = RecordingFleet([view([10, 10, 10], at=0.5, kv_blocks_used=95)])
     ctl = Controller(fleet, replace(CFG, cooldown_rounds=2))
     assert ctl.step(now=1.0) == {"r0": [Decision("max_num_batched_tokens", 128, "ttft_within_slo")]}
     fleet.views()[0].stats.max_num_batched_tokens = 128
@@ -187,7 +207,7 @@ def test_bounds_rate_limit_advisory_and_state_that_survives_a_restart():
     assert restarted.bounded(fleet.views()[0], [Decision("max_num_batched_tokens", 99999, "x"),
                                                  Decision("elastic", "static", "x")]) == [
         Decision("max_num_batched_tokens", 1024, "x")]
-    advisory = RecordingFleet([view([10, 10, 10], at=0.5)])
+    advisory = RecordingFleet([view([10, 10, 10], at=0.5, kv_blocks_used=95)])
     Controller(advisory, replace(CFG, advisory=True)).step(now=1.0)
     assert advisory.sent[0]["r0"]["advisory"] and advisory.sent[0]["r0"]["decisions"]
 
@@ -228,27 +248,33 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("advisory", [False, True])
-def test_chunk_policy_on_real_engines_lowers_the_budget_unless_advisory(tiny, advisory):
-    llm = LLM(model=tiny, max_num_seqs=4, max_num_batched_tokens=512, num_kv_blocks=100, max_model_len=512)
+def test_chunk_policy_on_real_engines_lowers_the_budget_for_kv_unless_advisory(tiny, advisory):
+    """Each round queues more prompt blocks than the pool holds, so admissions wait for blocks: from its second
+    round on (the first notes the engine's counters) chunk lowers the budget."""
+    llm = LLM(model=tiny, max_num_seqs=8, max_num_batched_tokens=512, num_kv_blocks=100, max_model_len=512,
+              enable_prefix_caching=False)
     engine = llm.engine
     cfg = replace(CFG, ttft_slo_ms=60_000.0, advisory=advisory)          # every first token is within it
     ctl = Controller(LocalFleet([engine]), cfg)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt_tokens = engine.block_manager.block_size * 30
     budgets = []
     try:
-        for round_ in range(6):
-            for i in range(3):
-                engine.add_request(f"q{round_}-{i}", [5 + i] * 20, params)
+        for round_ in range(5):
+            for i in range(6):
+                engine.add_request(f"q{round_}-{i}", [5 + i] * prompt_tokens, params)
             while engine.has_unfinished:
                 engine.step()
             ctl.step()
             budgets.append(engine.scheduler.max_num_batched_tokens)
     finally:
         llm.shutdown()
+    assert engine.get_stats().kv_admission_waits > 0
     if advisory:
-        assert budgets == [512] * 6 and ctl.history                     # decided, applied nothing
+        assert budgets == [512] * 5 and ctl.history                     # decided, applied nothing
     else:
-        assert budgets[0] == 256 and budgets[-1] == CFG.min_budget and sorted(budgets, reverse=True) == budgets
+        assert budgets[:2] == [512, 256] and sorted(budgets, reverse=True) == budgets
+        assert all(d.reason == "ttft_within_slo" for _, d in ctl.history)
 
 
 # ---- end to end ----------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class SyntheticEngine:
         s.prefix_cache_queries += 16
         s.prefix_cache_hits += 8
         s.preemptions += 1
+        s.kv_admission_waits += 2
         s.lend_total += 1
         s.reclaim_total += 1
         s.blocks_migrated += 3

@@ -21,6 +21,7 @@ LABELS = {"model_name": "m", "replica": "r0", "tp_rank": "0"}
 EXPECTED_FAMILIES = {
     "tidal:num_requests_running", "tidal:num_requests_waiting", "tidal:kv_cache_usage_perc",
     "tidal:prefix_cache_queries_total", "tidal:prefix_cache_hits_total", "tidal:num_preemptions_total",
+    "tidal:num_kv_admission_waits_total",
     "tidal:prompt_tokens_total", "tidal:generation_tokens_total", "tidal:iteration_tokens_total",
     "tidal:num_steps_total", "tidal:num_steps_ahead_total", "tidal:request_success_total",
     "tidal:time_to_first_token_seconds",
