@@ -208,6 +208,10 @@ CONTROLLER = DashboardDef(
             PanelDef("KV cache usage", "percentunit", (Target(gauge("tidal:kv_cache_usage_perc"), "{{replica}}"),)),
             PanelDef("Waiting requests", "short",
                      (Target(gauge("tidal:num_requests_waiting", agg="sum"), "{{replica}}"),)),
+            PanelDef("Admissions that waited for KV", "ops",
+                     (Target(rate("tidal:num_kv_admission_waits_total"), "{{replica}}"),),
+                     "Steps at which the waiting queue's head did not fit in the free KV blocks; with preemptions "
+                     "and KV usage, what makes chunk lower the budget."),
             PanelDef("Reserve lent", "bytes", (Target(gauge("tidal:reserve_lent_bytes", agg="sum"), "{{replica}}"),)),
             PanelDef("Reserve given to KV by the budget", "short",
                      (Target(gauge("tidal:reserve_granted_blocks", agg="sum"), "{{replica}}"),),
