@@ -178,7 +178,7 @@ def steady_gaps(streams: list[Stream], concurrency: int) -> list[float]:
     return [b - a for s in streams if not s.error for a, b in zip(s.chunks, s.chunks[1:]) if begin <= a and b <= end]
 
 
-COUNTED = ("num_steps", "prefill_steps", "generation_tokens", "num_running", "num_waiting")
+COUNTED = ("num_steps", "prefill_steps", "generation_tokens", "num_running", "num_waiting", "max_num_batched_tokens")
 Counters = Callable[[], Awaitable[dict[str, int]]]
 SAMPLE_EVERY_S = 0.1            # how often the loaded run samples the engine's running and waiting requests
 
@@ -196,7 +196,8 @@ async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload
     """The three sets; the loaded run also records the engine's steps and generated tokens meanwhile (its mean
     batch and step time: whether a slower path starved the engine of requests or slowed its steps) and the
     requests it held, running and waiting, sampled every SAMPLE_EVERY_S (fewer running than --concurrency with none
-    waiting: requests spent the difference between the client and the engine), and with `cpu` (CPU seconds so far
+    waiting: requests spent the difference between the client and the engine), its step budget at the start and the
+    end (a served engine's controller may move it), and with `cpu` (CPU seconds so far
     per server role) what each role spent on it, in all and per streamed chunk."""
     await closed_loop(send, work.warmup, max(1, len(work.warmup)))
     idle = summarize(*await closed_loop(send, work.idle, 1), concurrency=1)
@@ -216,7 +217,8 @@ async def measure(send: Callable[[list[int]], Awaitable[Stream]], work: Workload
                         "mean_tokens_per_step": (after["generation_tokens"] - before["generation_tokens"]) / steps,
                         "step_ms": 1e3 * loaded["seconds"] / steps,
                         "mean_running": statistics.fmean(r for r, _ in samples) if samples else None,
-                        "mean_waiting": statistics.fmean(w for _, w in samples) if samples else None}
+                        "mean_waiting": statistics.fmean(w for _, w in samples) if samples else None,
+                        "max_num_batched_tokens": [before["max_num_batched_tokens"], after["max_num_batched_tokens"]]}
     if cpu0 is not None and cpu1 is not None:
         spent = {role: cpu1[role] - cpu0[role] for role in cpu0}
         loaded["server_cpu_s"] = spent
@@ -307,7 +309,7 @@ async def measure_serve(base_url: str, model_id: str, work: Workload, server_pid
         async def counters() -> dict[str, int]:
             async with session.get(f"{base_url}/stats") as resp:
                 stats = [r["stats"] for r in (await resp.json())["data"]]
-            return {k: sum(s[k] for s in stats) for k in COUNTED}
+            return {k: (max if k == "max_num_batched_tokens" else sum)(s[k] for s in stats) for k in COUNTED}
 
         return await measure(send, work, counters,
                              (lambda: server_cpu_seconds(server_pid)) if server_pid is not None else None)

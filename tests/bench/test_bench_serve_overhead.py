@@ -51,6 +51,8 @@ def test_serve_overhead_cpu_smoke(tmp_path, capsys):
     for path in ("serve", "direct"):
         sampled = res[path]["loaded"]["engine"]
         assert 0 <= sampled["mean_running"] <= 2 and 0 <= sampled["mean_waiting"] <= 2
+        # the step budget at the run's start and end (on CPU no controller moves it)
+        assert sampled["max_num_batched_tokens"][0] == sampled["max_num_batched_tokens"][1] > 0
     # the server's CPU during the loaded run, by role: the replica and its engine core both worked
     loaded = res["serve"]["loaded"]
     assert set(loaded["server_cpu_s"]) == {"replica", "ingress", "engine_core", "front_door"}
