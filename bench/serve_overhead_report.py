@@ -20,8 +20,8 @@ def progress(name: str, result: dict) -> None:
           f"{engine['mean_tokens_per_step']:.1f} tokens "
           f"per step, {engine['step_ms']:.2f} ms per step, {engine['prefill_steps']} of {engine['steps']} steps with a "
           f"prefill, {engine.get('mean_running') or 0:.0f} running / {engine.get('mean_waiting') or 0:.0f} "
-          f"waiting, budget {'-'.join(map(str, engine.get('max_num_batched_tokens', [])))}; client CPU {loaded['process_cpu_s']:.1f} s of "
-          f"{loaded['seconds']:.1f}", flush=True)
+          f"waiting, budget {'-'.join(map(str, engine.get('max_num_batched_tokens', [])))}; client CPU "
+          f"{loaded['process_cpu_s']:.1f} s of {loaded['seconds']:.1f}", flush=True)
 
 
 HEADER = " ".join((f"{'path':<7}", *(f"{h:>9}" for h in ("streams", "requests", "failed", "out tok", "tok/s",
