@@ -6,13 +6,15 @@ controller bounds what a policy decides (`Controller.bounded`) and rate-limits i
 change), and the policies keep a hysteresis band of their own.
 
 - `static`: changes nothing.
-- `chunk`: the smallest `max_num_batched_tokens` that keeps TTFT within the SLO while KV is short. A lower budget
-  pays only in KV blocks (the activation memory it frees), and costs prefill throughput: the queue's prompts get
-  fewer tokens per step. So it halves the budget only while KV is short (usage at or above `kv_pressure`, or
-  preemptions, or admissions that waited for free blocks since its last round) and the p90 TTFT of the requests
-  finished since the last change stays under `headroom` x SLO; with KV to spare (usage below `kv_pressure` -
-  `kv_band`, none of those) and prompts waiting, it doubles a lowered budget back. Over the SLO it doubles (up to
-  the budget the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the budget
+- `chunk`: the smallest `max_num_batched_tokens` that keeps TTFT within the SLO while KV is short or decodes are
+  slow. A lower budget pays in KV blocks (the activation memory it frees) and in inter-token latency (a smaller
+  prefill chunk stalls the decodes beside it for less), and costs prefill throughput: the queue's prompts get fewer
+  tokens per step. So it halves the budget only while KV is short (usage at or above `kv_pressure`, or
+  preemptions, or admissions that waited for free blocks since its last round) or the p90 of the requests' mean
+  inter-token latency is over the ITL SLO, and the p90 TTFT of the requests finished since the last change stays
+  under `headroom` x SLO. With KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL
+  under `headroom` x ITL SLO and prompts waiting, it doubles a lowered budget back. Over the TTFT SLO it doubles
+  (up to the budget the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the budget
   (a large step stalls the short prompts queued behind a long one), so over the SLO it climbs on what it
   measured: it remembers each budget's p90 for `window_s`, does not double into a budget measured worse than the
   current one, and halves instead (at the engine's limit too) unless the lower budget was measured worse as
@@ -81,6 +83,9 @@ class Window:
 
     def ttft_quantile(self, q: float) -> float:
         return quantile(self.ttft_s, q)
+
+    def itl_quantile(self, q: float) -> float:
+        return quantile(self.itl_s, q)
 
     def attainment(self, cfg: ControllerConfig) -> Optional[float]:
         """The share of requests that met both the TTFT and the inter-token SLO (None: no request)."""
@@ -171,10 +176,13 @@ class ChunkPolicy(ConfiguredPolicy):
                 return [Decision("max_num_batched_tokens", lower, "ttft_over_slo_lower")]
             return []
         s = view.stats
-        if self._kv_short(s, state):
+        kv_short = self._kv_short(s, state)
+        itl_p90_ms = window.itl_quantile(0.9) * 1e3
+        if kv_short or itl_p90_ms > cfg.itl_slo_ms:
             if p90_ms < cfg.headroom * cfg.ttft_slo_ms and budget > floor:
-                return [Decision("max_num_batched_tokens", lower, "ttft_within_slo")]
-        elif budget < limit and s.num_waiting > 0 and s.kv_cache_usage < cfg.kv_pressure - cfg.kv_band:
+                return [Decision("max_num_batched_tokens", lower, "ttft_within_slo" if kv_short else "itl_over_slo")]
+        elif (budget < limit and s.num_waiting > 0 and s.kv_cache_usage < cfg.kv_pressure - cfg.kv_band
+              and itl_p90_ms < cfg.headroom * cfg.itl_slo_ms):
             return [Decision("max_num_batched_tokens", higher, "prompts_waiting_kv_spare")]
         return []
 

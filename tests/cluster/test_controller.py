@@ -50,10 +50,11 @@ def test_chunk_halves_within_the_slo_while_kv_is_short_doubles_over_it_and_holds
     assert chunk.decide(view([10, 10], budget=64, **short), {}, now=11.0) == []     # at its floor
 
 
-def test_chunk_lowers_the_budget_only_for_kv_and_gives_it_back_to_waiting_prompts_when_kv_is_spare():
-    """A lower budget buys KV blocks and costs prefill throughput: with KV to spare chunk holds however fast the
-    first tokens are, lowers once admissions waited for blocks (or preempted) since its last round, and doubles a
-    lowered budget back while prompts wait and usage is below kv_pressure - kv_band."""
+def test_chunk_lowers_the_budget_only_for_kv_or_slow_decodes_and_gives_it_back_when_neither_is_short():
+    """A lower budget buys KV blocks and shorter decode stalls and costs prefill throughput: with KV to spare and
+    decodes within the ITL SLO chunk holds however fast the first tokens are; it lowers once admissions waited for
+    blocks (or preempted) since its last round, or the p90 ITL is over its SLO; it doubles a lowered budget back
+    while prompts wait, usage is below kv_pressure - kv_band and the p90 ITL under headroom x its SLO."""
     chunk, state = ChunkPolicy(CFG), {}
     assert chunk.decide(view([10, 10], kv_blocks_used=50, kv_admission_waits=3), state, now=11.0) == []
     assert chunk.decide(view([10, 10], kv_blocks_used=50, kv_admission_waits=3), state, now=12.0) == []
@@ -67,6 +68,11 @@ def test_chunk_lowers_the_budget_only_for_kv_and_gives_it_back_to_waiting_prompt
     assert chunk.decide(view([10, 10], budget=128, kv_blocks_used=50), {}, now=11.0) == []      # nobody waits
     assert chunk.decide(view([10, 10], budget=128, kv_blocks_used=80, num_waiting=4), {}, now=11.0) == []  # band
     assert chunk.decide(view([10, 10], budget=1024, kv_blocks_used=10, num_waiting=4), {}, now=11.0) == []  # limit
+    # decodes over the ITL SLO (50 ms): lower, KV spare or not; under it but above half of it: no raise either
+    assert chunk.decide(view([10, 10], itl_ms=[80, 80], kv_blocks_used=50), {}, now=11.0) == [
+        Decision("max_num_batched_tokens", 128, "itl_over_slo")]
+    assert chunk.decide(view([10, 10], itl_ms=[40, 40], budget=128, kv_blocks_used=50, num_waiting=4), {},
+                        now=11.0) == []
 
 
 def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larger_steps_help():
