@@ -42,6 +42,7 @@ def controller_view(replica: dict) -> dict:
             "reserve_bytes": s["reserve_bytes"], "reserve_lent_bytes": s["reserve_lent_bytes"],
             "reserve_granted_blocks": s.get("reserve_granted_blocks", 0),
             "kv_blocks_used": s["kv_blocks_used"], "kv_blocks_total": s["kv_blocks_total"],
+            "preemptions": s["preemptions"], "kv_admission_waits": s.get("kv_admission_waits", 0),
             "decisions": ctl.get("log", [])[-LAST_DECISIONS:]}
 
 
@@ -59,7 +60,8 @@ def render(views: list[dict]) -> str:
         lines += [f"replica {v['replica_id']}: policy {policy}, {v['rounds']} rounds",
                   f"  max_num_batched_tokens {v['max_num_batched_tokens']} (limit {v['budget_limit']}), "
                   f"elastic {v['elastic_mode']}{'' if v['elastic_available'] else ' (not available)'}, "
-                  f"reserve {reserve}, KV {kv:.0%} of {v['kv_blocks_total']} blocks"]
+                  f"reserve {reserve}, KV {kv:.0%} of {v['kv_blocks_total']} blocks",
+                  f"  since start: {v['preemptions']} preemptions, {v['kv_admission_waits']} admissions waited for KV"]
         for d in reversed(v["decisions"]):
             when = time.strftime("%H:%M:%S", time.localtime(d["at"]))
             lines.append(f"  {when} {'set' if d['applied'] else 'advised'} {d['knob']}={d['value']} ({d['reason']})")

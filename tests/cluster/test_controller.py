@@ -388,4 +388,5 @@ def test_a_fleet_under_a_shifting_workload_with_auto_and_advisory_controllers(ti
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert status.returncode == 0, status.stdout + status.stderr
     assert status.stdout.count("replica ") == 2 and "policy auto" in status.stdout
+    assert status.stdout.count("admissions waited for KV") == 2
     assert "max_num_batched_tokens" in status.stdout and " set " in status.stdout
