@@ -14,8 +14,8 @@ change), and the policies keep a hysteresis band of their own.
   inter-token latency is over the ITL SLO, and the p90 TTFT of the requests finished since the last change stays
   under `headroom` x SLO. With KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL
   under `headroom` x ITL SLO and prompts waiting, it doubles a lowered budget back. Over the TTFT SLO it doubles
-  (up to the budget the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the budget
-  (a large step stalls the short prompts queued behind a long one), so over the SLO it climbs on what it
+  (up to the budget the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the
+  budget (a large step stalls the short prompts queued behind a long one), so over the SLO it climbs on what it
   measured: it remembers each budget's p90 for `window_s`, does not double into a budget measured worse than the
   current one, and halves instead (at the engine's limit too) unless the lower budget was measured worse as
   well; then it holds.
