@@ -125,6 +125,14 @@ class ReplicaView:
                       [r["prompt_tokens"][i] for i in keep])
 
 
+def increases(s: EngineStats, state: dict, key: str, counters: tuple[str, ...]) -> dict[str, int]:
+    """How much each of the engine's `counters` grew since this policy last looked (kept in `state[key]`; 0 the
+    first time)."""
+    seen = state.get(key, {})
+    state[key] = {c: getattr(s, c) for c in counters}
+    return {c: getattr(s, c) - seen.get(c, getattr(s, c)) for c in counters}
+
+
 class Policy(Protocol):
     name: str
 
@@ -189,11 +197,8 @@ class ChunkPolicy(ConfiguredPolicy):
     def _kv_short(self, s: EngineStats, state: dict) -> bool:
         """KV usage at or above `kv_pressure` now, or preemptions or admissions that waited for free blocks since
         the last round."""
-        seen = state.get("kv_counters", {})
-        waited = s.preemptions - seen.get("preemptions", s.preemptions) \
-            + s.kv_admission_waits - seen.get("kv_admission_waits", s.kv_admission_waits)
-        state["kv_counters"] = {"preemptions": s.preemptions, "kv_admission_waits": s.kv_admission_waits}
-        return s.kv_cache_usage >= self.cfg.kv_pressure or waited > 0
+        grew = increases(s, state, "kv_counters", ("preemptions", "kv_admission_waits"))
+        return s.kv_cache_usage >= self.cfg.kv_pressure or any(grew.values())
 
 
 class ElasticPolicy(ConfiguredPolicy):
@@ -201,10 +206,8 @@ class ElasticPolicy(ConfiguredPolicy):
 
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
         s = view.stats
-        seen = state.get("counters", {})
-        preempted = s.preemptions - seen.get("preemptions", s.preemptions)
-        reclaim_preempted = s.elastic_preemptions - seen.get("elastic_preemptions", s.elastic_preemptions)
-        state["counters"] = {"preemptions": s.preemptions, "elastic_preemptions": s.elastic_preemptions}
+        grew = increases(s, state, "counters", ("preemptions", "elastic_preemptions"))
+        preempted, reclaim_preempted = grew["preemptions"], grew["elastic_preemptions"]
         if not view.elastic_available:
             return []
         if s.elastic_mode == "off" and s.num_waiting == 0 and (s.kv_cache_usage >= self.cfg.kv_pressure

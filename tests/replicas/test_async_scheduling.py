@@ -7,6 +7,7 @@ lending) it does."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import jsonschema
 import pytest
@@ -51,6 +52,18 @@ def run(model: str, params, prompts=PROMPTS, **engine):
         outs = llm.generate(prompts, params)
         return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs]
                 for o in outs], llm.engine.get_stats()
+    finally:
+        llm.shutdown()
+
+
+@contextmanager
+def async_engine(model: str, params: SamplingParams, num_requests: int):
+    """An async-scheduling engine holding requests r0.. on PROMPTS[0..num_requests - 1] (not streamed)."""
+    llm = LLM(model=model, async_scheduling=True, **ENGINE)
+    try:
+        for i in range(num_requests):
+            llm.engine.add_request(f"r{i}", PROMPTS[i], params, stream=False)
+        yield llm.engine
     finally:
         llm.shutdown()
 
@@ -105,12 +118,7 @@ def test_aborts_and_arrivals_between_steps(tiny):
     a synchronous step; every other request gets the tokens it gets alone."""
     params = SamplingParams(temperature=0.7, seed=7, max_tokens=30, ignore_eos=True)
     alone, _ = run(tiny, [params] * 6, prompts=PROMPTS[:6])
-    llm = LLM(model=tiny, async_scheduling=True, **ENGINE)
-    try:
-        eng = llm.engine
-        for i in range(4):
-            eng.add_request(f"r{i}", PROMPTS[i], params, stream=False)
-
+    with async_engine(tiny, params, 4) as eng:
         def between(step):
             if step == 5:
                 assert eng._pending is not None           # the abort lands between launch and read-back
@@ -119,8 +127,6 @@ def test_aborts_and_arrivals_between_steps(tiny):
                 eng.add_request(f"r{4 + (step == 13)}", PROMPTS[4 + (step == 13)], params, stream=False)
         done = step_until_done(eng, between)
         assert eng.stats.steps_ahead > 0
-    finally:
-        llm.shutdown()
     assert set(done) == {"r0", "r2", "r3", "r4", "r5"}
     for rid, tokens in done.items():
         assert tokens == alone[int(rid[1:])][0][0]
@@ -154,11 +160,7 @@ def test_a_reconfigure_between_steps_finishes_the_pending_one_and_its_outputs_go
     come from the next `step()` (the engine is unfinished until they have)."""
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     alone, _ = run(tiny, [params] * 3, prompts=PROMPTS[:3])
-    llm = LLM(model=tiny, async_scheduling=True, **ENGINE)
-    try:
-        eng = llm.engine
-        for i in range(3):
-            eng.add_request(f"r{i}", PROMPTS[i], params, stream=False)
+    with async_engine(tiny, params, 3) as eng:
         changes = []
 
         def between(step):
@@ -168,6 +170,4 @@ def test_a_reconfigure_between_steps_finishes_the_pending_one_and_its_outputs_go
                 assert eng._pending is None and eng.has_unfinished
         done = step_until_done(eng, between)
         assert changes and eng.stats.steps_ahead == 0
-    finally:
-        llm.shutdown()
     assert done == {f"r{i}": alone[i][0][0] for i in range(3)}
