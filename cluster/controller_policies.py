@@ -26,8 +26,12 @@ change), and the policies keep a hysteresis band of their own.
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
   SLOs more often, and measures again after `exploit_rounds`. A round of trials runs the arms in the order A B B A,
   A being the arm in force (for the first round `elastic`, whose neutral setting, the full budget, is the state an
-  engine starts in), and pools each arm's two trials: traffic that drifts across the round (a cold start filling
-  up, a backlog building) then weighs on both arms alike instead of favouring whichever went first. On equal
+  engine starts in), and pools each arm's two trials: traffic that drifts across the round (a backlog building)
+  then weighs on both arms alike instead of favouring whichever went first. A trial is judged by the requests that
+  arrived and finished within it: a request's latency is set by the arm in force while it ran, and one that
+  arrived under the previous arm would credit this one with the other's work (every trial, whichever arm, keeps
+  the requests shorter than itself alike). A replica's first round of trials waits `trial_rounds` rounds (phase
+  `settle`): an engine that just started is filling up, and what it serves then would favour the first arm. On equal
   attainment (both met the SLOs for every request, the common case away from overload) the arm whose requests
   kept further from the SLOs wins (lower mean SLO load: per request the larger of TTFT / TTFT SLO and inter-token
   latency / ITL SLO), by more than `switch_margin` against the arm in force, which otherwise stays. It decides from
@@ -118,9 +122,11 @@ class ReplicaView:
     recent: dict[str, list] = field(default_factory=dict)     # RecentRequests.since columns
     state: dict = field(default_factory=dict)                 # what the controller left on the replica
 
-    def window(self, since: float) -> Window:
+    def window(self, since: float, arrived_since: Optional[float] = None) -> Window:
+        """The requests that finished after `since` (and, given `arrived_since`, arrived at or after it)."""
         r = self.recent
-        keep = [i for i, t in enumerate(r.get("finished_at", [])) if t > since]
+        keep = [i for i, t in enumerate(r.get("finished_at", []))
+                if t > since and (arrived_since is None or r["arrived_at"][i] >= arrived_since)]
         return Window([r["ttft_s"][i] for i in keep], [r["itl_s"][i] for i in keep],
                       [r["prompt_tokens"][i] for i in keep])
 
@@ -229,11 +235,17 @@ class AutoPolicy(ConfiguredPolicy):
         cfg = self.cfg
         arms = list(ARMS) if view.elastic_available else ["chunk"]
         if state.get("arm") not in arms or "slot" not in state:
-            self._start_trials(state, arms[0], arms, now)
+            if len(arms) > 1:
+                state.update(slot=0, order=[arms[0]])
+                self._enter(state, arms[0], "settle", now)
+            else:
+                self._start_trials(state, arms[0], arms, now)
         state["arm_rounds"] = state.get("arm_rounds", 0) + 1
         arm = state["arm"]
-        if state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
-            trial = view.window(state["entered_at"])
+        if state["phase"] == "settle" and state["arm_rounds"] >= cfg.trial_rounds:
+            self._start_trials(state, arm, arms, now)
+        elif state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
+            trial = view.window(state["entered_at"], arrived_since=state["entered_at"])
             if len(trial) or state["arm_rounds"] >= 3 * cfg.trial_rounds:
                 met, n, load = state["tally"].get(arm, (0.0, 0, 0.0))
                 if len(trial):

@@ -17,6 +17,7 @@ import pytest
 from cluster.controller import Controller
 from cluster.controller_policies import (AutoPolicy, ChunkPolicy, ControllerConfig, Decision, ElasticPolicy,
                                          ReplicaView)
+from cluster.recent_requests import RecentRequests
 from replicas import LLM, SamplingParams
 from replicas.stats import EngineStats
 from tests.support import REPO
@@ -32,7 +33,8 @@ def view(ttft_ms=(), itl_ms=None, at=10.0, budget=256, limit=1024, elastic=True,
     for k, v in stats.items():
         setattr(s, k, v)
     itl_ms = itl_ms if itl_ms is not None else [10.0] * len(ttft_ms)
-    recent = {"finished_at": [at] * len(ttft_ms), "ttft_s": [t / 1e3 for t in ttft_ms],
+    recent = {"finished_at": [at] * len(ttft_ms), "arrived_at": [at - 0.4] * len(ttft_ms),
+              "ttft_s": [t / 1e3 for t in ttft_ms],
               "itl_s": [i / 1e3 for i in itl_ms], "prompt_tokens": [32] * len(ttft_ms)}
     return ReplicaView("r0", s, budget_limit=limit, elastic_available=elastic, recent=recent, state=state or {})
 
@@ -111,19 +113,22 @@ def test_elastic_lends_under_kv_pressure_and_stops_under_prefill_pressure():
 
 
 def test_auto_measures_both_knobs_a_b_b_a_then_keeps_the_one_that_met_the_slo_more_often():
-    """The elastic trials (first and last: elastic's neutral setting is the engine's start) see fast first tokens,
-    the chunk trials slow ones: auto settles on elastic, having put each arm's other knob at its neutral setting,
-    and measures both again after exploit_rounds, the arm in force first and last."""
+    """After `trial_rounds` rounds of settling (the engine's start state: elastic's neutral full budget), the elastic
+    trials (first and last) see fast first tokens, the chunk trials slow ones: auto settles on elastic, having put
+    each arm's other knob at its neutral setting, and measures both again after exploit_rounds, the arm in force
+    first and last."""
     auto, state, now = AutoPolicy(CFG), {}, 100.0
     seen = []
-    for r in range(13):
+    for r in range(16):
         slow = state.get("arm") == "chunk"
         v = view([300.0] * 3 if slow else [20.0] * 3, at=now - 0.5, budget=512, elastic_mode="elastic" if r else "off")
         seen.append((state.get("phase"), state.get("arm"), auto.decide(v, state, now)))
         now += 1.0
-    assert seen[0][2] == [Decision("max_num_batched_tokens", 1024, "auto_elastic")]     # elastic trial: full budget
-    assert seen[3][2] == [Decision("elastic", "off", "auto_chunk")]                     # chunk trial: lending off
-    arms = [arm for _, arm, _ in seen]
+    first = CFG.trial_rounds                         # the first trial's first round
+    assert seen[0][2] == [Decision("max_num_batched_tokens", 1024, "auto_elastic")]     # settling: full budget
+    assert [phase for phase, _, _ in seen[1:first + 1]] == ["settle"] * (first - 1) + ["trial"]
+    assert seen[first + 3][2] == [Decision("elastic", "off", "auto_chunk")]             # chunk trial: lending off
+    arms = [arm for _, arm, _ in seen[first:]]
     assert arms[1:3] == ["elastic"] * 2 and arms[3:9] == ["chunk"] * 6 and arms[9:12] == ["elastic"] * 3
     assert state["scores"] == {"elastic": 1.0, "chunk": 0.0}
     assert state["phase"] == "exploit" and state["arm"] == "elastic"
@@ -146,6 +151,25 @@ def test_auto_judges_the_knob_not_the_traffic_drifting_under_it():
         now += 1.0
     assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
     assert state["loads"] == pytest.approx({"elastic": 0.5, "chunk": 0.4})
+    assert state["arm"] == "chunk"
+
+
+def test_auto_credits_a_trial_only_with_the_requests_that_arrived_in_it():
+    """Some requests outlast a trial: each round finishes two that arrived under the arm in force and six that
+    arrived three rounds earlier, under whichever arm was in force then. Chunk's requests run further from the
+    SLOs (TTFT 20 ms against elastic's 60): each arm is judged on its own requests alone, not on the ones that
+    arrived under the other."""
+    auto, state, now = AutoPolicy(CFG), {}, 100.0
+    ttft_of, history = {"elastic": 60.0, "chunk": 20.0}, []
+    while state.get("phase") != "exploit":
+        history.append(state.get("arm", "elastic"))             # in force since the last round
+        earlier = history[-4] if len(history) >= 4 else "elastic"
+        v = view([ttft_of[history[-1]]] * 2 + [ttft_of[earlier]] * 6, itl_ms=[5.0] * 8, at=now - 0.5, budget=1024,
+                 elastic_mode="off")
+        v.recent["arrived_at"] = [now - 0.9] * 2 + [now - 3.5] * 6
+        auto.decide(v, state, now)
+        now += 1.0
+    assert state["loads"] == pytest.approx({"elastic": 0.6, "chunk": 0.2})
     assert state["arm"] == "chunk"
 
 
@@ -224,19 +248,14 @@ class LocalFleet:
     def __init__(self, engines):
         self.engines = engines
         self.states = [{} for _ in engines]
-        self.recent = [{"finished_at": [], "ttft_s": [], "itl_s": [], "prompt_tokens": []} for _ in engines]
+        self.recent = [RecentRequests() for _ in engines]
 
     def views(self):
         out = []
         for i, e in enumerate(self.engines):
-            for t in e.drain_finished_timings():
-                r = self.recent[i]
-                r["finished_at"].append(time.time())
-                r["ttft_s"].append(t.first_token_time - t.arrival_time)
-                r["itl_s"].append(0.0)
-                r["prompt_tokens"].append(t.num_prompt_tokens)
+            self.recent[i].add(e.drain_finished_timings())
             out.append(ReplicaView(f"r{i}", e.get_stats(), e.config.scheduling.max_num_batched_tokens,
-                                   e.elastic is not None, self.recent[i], self.states[i]))
+                                   e.elastic is not None, self.recent[i].since(0.0), self.states[i]))
         return out
 
     def apply(self, payload):
