@@ -5,6 +5,7 @@ TTFT_TARGET_MS = 5.0
 THROUGHPUT_TARGET = 0.90
 TPOT_TARGET_MS = 1.3          # --streaming: mean TPOT at one stream
 ITL_P99_TARGET_MS = 50.0      # --streaming: p99 chunk gap at 256 streams
+ITL_OVER_TPOT_TARGET = 3.0    # --streaming: median chunk gap over mean TPOT at 256 streams (how bursty a stream is)
 
 
 def progress(name: str, result: dict) -> None:
@@ -50,7 +51,8 @@ def report_streaming(section: dict) -> None:
     met = section["meets_targets"]
     print(f"front door: TPOT at 1 stream {section['tpot_ms_c1']:.2f} ms (target <= {TPOT_TARGET_MS:g}: "
           f"{'met' if met['tpot_ms_c1'] else 'missed'}); at {c} streams ITL median "
-          f"{section['median_itl_ms_c256']:.2f}, "
+          f"{section['median_itl_ms_c256']:.2f} ({section['median_itl_ms_c256'] / section['mean_tpot_ms_c256']:.1f}x "
+          f"TPOT, target <= {ITL_OVER_TPOT_TARGET:g}x: {'met' if met['median_itl_ms_c256'] else 'missed'}), "
           f"p99 {section['p99_itl_ms_c256']:.2f} ms (target <= {ITL_P99_TARGET_MS:g}: "
           f"{'met' if met['p99_itl_ms_c256'] else 'missed'}; steady state {section['p99_itl_ms_c256_steady']:.2f}), "
           f"TPOT mean {section['mean_tpot_ms_c256']:.2f} ms; "
