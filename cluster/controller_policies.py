@@ -235,11 +235,7 @@ class AutoPolicy(ConfiguredPolicy):
         cfg = self.cfg
         arms = list(ARMS) if view.elastic_available else ["chunk"]
         if state.get("arm") not in arms or "slot" not in state:
-            if len(arms) > 1:
-                state.update(slot=0, order=[arms[0]])
-                self._enter(state, arms[0], "settle", now)
-            else:
-                self._start_trials(state, arms[0], arms, now)
+            self._start_trials(state, arms[0], arms, now, settle=True)
         state["arm_rounds"] = state.get("arm_rounds", 0) + 1
         arm = state["arm"]
         if state["phase"] == "settle" and state["arm_rounds"] >= cfg.trial_rounds:
@@ -263,12 +259,13 @@ class AutoPolicy(ConfiguredPolicy):
             self._start_trials(state, arm, arms, now)
         return self._neutral(view, state) or self.arms[state["arm"]].decide(view, state, now)
 
-    def _start_trials(self, state: dict, in_force: str, arms: list[str], now: float) -> None:
-        """A round of trials in the order A B B A (A the arm in force), or the one arm there is, kept."""
+    def _start_trials(self, state: dict, in_force: str, arms: list[str], now: float, settle: bool = False) -> None:
+        """A round of trials in the order A B B A (A the arm in force; with `settle`, after `trial_rounds` rounds
+        of A not counted), or the one arm there is, kept."""
         others = [a for a in arms if a != in_force]
         order = [in_force, *others, *reversed(others), in_force] if others else [in_force]
         state.update(tally={}, scores={}, loads={}, order=order, slot=0)
-        self._enter(state, in_force, "trial" if others else "exploit", now)
+        self._enter(state, in_force, ("settle" if settle else "trial") if others else "exploit", now)
 
     def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:
         """Put `arm` in force; `chunk` leaving keeps its budget for its return (`_neutral` restores it)."""

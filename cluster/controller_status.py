@@ -42,7 +42,7 @@ def controller_view(replica: dict) -> dict:
             "reserve_bytes": s["reserve_bytes"], "reserve_lent_bytes": s["reserve_lent_bytes"],
             "reserve_granted_blocks": s.get("reserve_granted_blocks", 0),
             "kv_blocks_used": s["kv_blocks_used"], "kv_blocks_total": s["kv_blocks_total"],
-            "preemptions": s["preemptions"], "kv_admission_waits": s.get("kv_admission_waits", 0),
+            "preemptions": s["preemptions"], "kv_admission_waits": s["kv_admission_waits"],
             "decisions": ctl.get("log", [])[-LAST_DECISIONS:]}
 
 
