@@ -11,10 +11,11 @@ change), and the policies keep a hysteresis band of their own.
   prefill chunk stalls the decodes beside it for less), and costs prefill throughput: the queue's prompts get fewer
   tokens per step. So it halves the budget only while KV is short (usage at or above `kv_pressure`, or
   preemptions, or admissions that waited for free blocks since its last round) or the p90 of the requests' mean
-  inter-token latency is over the ITL SLO, and the p90 TTFT of the requests finished since the last change stays
-  under `headroom` x SLO. With KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL
-  under `headroom` x ITL SLO and prompts waiting, it doubles a lowered budget back. Over the TTFT SLO it doubles
-  (up to the budget the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the
+  inter-token latency is over the ITL SLO, and the p90 TTFT of the requests that arrived and finished since the
+  last change (one that arrived before it ran partly under the budget before) stays under `headroom` x SLO. With
+  KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL under `headroom` x ITL SLO and
+  prompts waiting, it doubles a lowered budget back, unless it measured the higher budget's TTFT worse. Over the
+  TTFT SLO it doubles (up to the budget the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the
   budget (a large step stalls the short prompts queued behind a long one), so over the SLO it climbs on what it
   measured: it remembers each budget's p90 for `window_s`, does not double into a budget measured worse than the
   current one, and halves instead (at the engine's limit too) unless the lower budget was measured worse as
@@ -146,8 +147,10 @@ class Policy(Protocol):
 
 
 def judged_window(view: ReplicaView, state: dict, now: float, cfg: ControllerConfig) -> Window:
-    """The requests finished since the replica's last change, at most `window_s` back."""
-    return view.window(max(state.get("changed_at", 0.0), now - cfg.window_s))
+    """The requests that arrived and finished since the replica's last change, at most `window_s` back: one that
+    arrived before the change waited, or began its prefill, under the setting before it."""
+    changed = state.get("changed_at", 0.0)
+    return view.window(max(changed, now - cfg.window_s), arrived_since=changed)
 
 
 class ConfiguredPolicy:
@@ -196,7 +199,7 @@ class ChunkPolicy(ConfiguredPolicy):
             if p90_ms < cfg.headroom * cfg.ttft_slo_ms and budget > floor:
                 return [Decision("max_num_batched_tokens", lower, "ttft_within_slo" if kv_short else "itl_over_slo")]
         elif (budget < limit and s.num_waiting > 0 and s.kv_cache_usage < cfg.kv_pressure - cfg.kv_band
-              and itl_p90_ms < cfg.headroom * cfg.itl_slo_ms):
+              and itl_p90_ms < cfg.headroom * cfg.itl_slo_ms and not worse(higher)):
             return [Decision("max_num_batched_tokens", higher, "prompts_waiting_kv_spare")]
         return []
 

@@ -99,6 +99,24 @@ def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larg
     assert chunk.decide(view([500, 500], budget=64, limit=64), {}, now=11.0) == []     # nowhere to go
 
 
+def test_chunk_judges_a_budget_by_the_requests_that_arrived_under_it_and_gives_back_none_it_measured_worse():
+    """Requests that finished after the last change but arrived before it waited under the budget before: they do
+    not judge the budget in force. Within the SLO, with KV to spare and prompts waiting, chunk doubles a lowered
+    budget back only into one whose TTFT it has not measured worse within `window_s`."""
+    chunk = ChunkPolicy(CFG)
+    v = view([500, 500, 500], budget=512, at=12.0)                               # arrived at 11.6
+    assert chunk.decide(v, {"changed_at": 11.8}, now=13.0) == []
+    v.recent["arrived_at"] = [11.9] * 3
+    assert chunk.decide(v, {"changed_at": 11.8}, now=13.0) == [
+        Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
+    state = {}
+    assert chunk.decide(view([90, 90], budget=256, kv_blocks_used=50), state, now=20.0) == []   # 256: p90 90 ms
+    waiting = dict(budget=128, kv_blocks_used=50, num_waiting=4)
+    assert chunk.decide(view([10, 10], at=20.5, **waiting), state, now=21.0) == []
+    assert chunk.decide(view([10, 10], at=20.5 + CFG.window_s, **waiting), state, now=21.0 + CFG.window_s) == [
+        Decision("max_num_batched_tokens", 256, "prompts_waiting_kv_spare")]
+
+
 def test_elastic_lends_under_kv_pressure_and_stops_under_prefill_pressure():
     policy = ElasticPolicy(CFG)
     state = {}
@@ -228,7 +246,7 @@ def test_bounds_rate_limit_advisory_and_state_that_survives_a_restart():
     ctl = Controller(fleet, replace(CFG, cooldown_rounds=2))
     assert ctl.step(now=1.0) == {"r0": [Decision("max_num_batched_tokens", 128, "ttft_within_slo")]}
     fleet.views()[0].stats.max_num_batched_tokens = 128
-    fleet.views()[0].recent["finished_at"] = [1.5] * 3
+    fleet.views()[0].recent.update(arrived_at=[1.1] * 3, finished_at=[1.5] * 3)     # served under budget 128
     assert ctl.step(now=2.0) == {}                                   # within the cooldown
     assert ctl.step(now=3.0) == {}
     restarted = Controller(fleet, replace(CFG, cooldown_rounds=2))   # a new controller: the replica's state
