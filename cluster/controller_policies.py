@@ -15,11 +15,11 @@ change), and the policies keep a hysteresis band of their own.
   last change (one that arrived before it ran partly under the budget before) stays under `headroom` x SLO. With
   KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL under `headroom` x ITL SLO and
   prompts waiting, it doubles a lowered budget back, unless it measured the higher budget's TTFT worse. Over the
-  TTFT SLO it doubles (up to the budget the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the
-  budget (a large step stalls the short prompts queued behind a long one), so over the SLO it climbs on what it
-  measured: it remembers each budget's p90 for `window_s`, does not double into a budget measured worse than the
-  current one, and halves instead (at the engine's limit too) unless the lower budget was measured worse as
-  well; then it holds.
+  TTFT SLO it doubles (up to the budget the engine reserved activation memory for). Otherwise it holds. TTFT is
+  not monotone in the budget (a large step stalls the short prompts queued behind a long one), so over the SLO it
+  climbs on what it measured: it remembers each budget's p90 for `window_s`, does not double into a budget
+  measured worse than the current one, and halves instead (at the engine's limit too) unless the lower budget was
+  measured worse as well; then it holds.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
