@@ -6,18 +6,17 @@ controller bounds what a policy decides (`Controller.bounded`) and rate-limits i
 change), and the policies keep a hysteresis band of their own.
 
 - `static`: changes nothing.
-- `chunk`: the smallest `max_num_batched_tokens` that keeps TTFT within the SLO while KV is short or decodes are
-  slow. A lower budget pays in KV blocks (the activation memory it frees) and in inter-token latency (a smaller
-  prefill chunk stalls the decodes beside it for less), and costs prefill throughput: the queue's prompts get fewer
-  tokens per step. So it halves the budget only while KV is short (usage at or above `kv_pressure`, or
-  preemptions, or admissions that waited for free blocks since its last round) or the p90 of the requests' mean
-  inter-token latency is over the ITL SLO, and the p90 TTFT of the requests that arrived and finished since the
-  last change (one that arrived before it ran partly under the budget before) stays under `headroom` x SLO. With
-  KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL under `headroom` x ITL SLO and
-  prompts waiting, it doubles a lowered budget back, unless it measured the higher budget's TTFT worse. Over the
-  TTFT SLO it doubles (up to the budget the engine reserved activation memory for). Otherwise it holds. TTFT is
-  not monotone in the budget (a large step stalls the short prompts queued behind a long one), so over the SLO it
-  climbs on what it measured: it remembers each budget's p90 for `window_s`, does not double into a budget
+- `chunk`: the smallest `max_num_batched_tokens` that keeps TTFT within the SLO while KV is short or decodes are slow.
+  A lower budget pays in KV blocks (the activation memory it frees) and in inter-token latency (a smaller prefill
+  chunk stalls the decodes beside it for less), and costs prefill throughput: the queue's prompts get fewer tokens per
+  step. So it halves the budget only while KV is short (usage at or above `kv_pressure`, or preemptions, or admissions
+  that waited for free blocks since its last round) or the p90 of the requests' mean inter-token latency is over the
+  ITL SLO, and the p90 TTFT of the requests that arrived and finished since the last change (`judged_window`) stays
+  under `headroom` x SLO. With KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL under
+  `headroom` x ITL SLO and prompts waiting, it doubles a lowered budget back, unless it measured the higher budget's
+  TTFT worse. Over the TTFT SLO it doubles (up to the budget the engine reserved activation memory for). Otherwise it
+  holds. TTFT is not monotone in the budget (a large step stalls the short prompts queued behind a long one), so over
+  the SLO it climbs on what it measured: it remembers each budget's p90 for `window_s`, does not double into a budget
   measured worse than the current one, and halves instead (at the engine's limit too) unless the lower budget was
   measured worse as well; then it holds.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
