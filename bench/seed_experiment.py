@@ -406,8 +406,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--slo-scale", type=float, default=2.0,
                     help="without fixed SLOs: this times the first policy's median TTFT and mean inter-token latency")
     ap.add_argument("--interval-s", type=float, default=1.0, help="controller round")
-    ap.add_argument("--trial-rounds", type=int, default=6,
-                    help="auto: rounds of one trial (and of its settling before the first)")
+    ap.add_argument("--trial-rounds", type=int, default=10,
+                    help="auto: rounds of one trial (and of its settling before the first); a trial outlasts the "
+                         "decode load's requests (up to 512 tokens) and leaves chunk rounds to reach its budget")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                     help="sizes the KV pool so that the steady load fills it (KV pressure is what lending is for)")

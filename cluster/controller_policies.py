@@ -270,9 +270,12 @@ class AutoPolicy(ConfiguredPolicy):
         self._enter(state, in_force, ("settle" if settle else "trial") if others else "exploit", now)
 
     def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:
-        """Put `arm` in force; `chunk` leaving keeps its budget for its return (`_neutral` restores it)."""
+        """Put `arm` in force; `chunk` leaving keeps its budget for its return (`_neutral` restores it). Another arm
+        counts as a change (`changed_at`): `chunk` judges its budget by the requests that arrived under it."""
         if state["arm"] == "chunk" and arm != "chunk":
             state["resume_budget"] = view.stats.max_num_batched_tokens
+        if arm != state["arm"]:
+            state["changed_at"] = now
         self._enter(state, arm, phase, now)
 
     def _best(self, state: dict, in_force: str) -> str:

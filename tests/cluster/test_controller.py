@@ -191,6 +191,21 @@ def test_auto_credits_a_trial_only_with_the_requests_that_arrived_in_it():
     assert state["arm"] == "chunk"
 
 
+def test_auto_switching_arms_starts_chunks_judgment_afresh():
+    """The elastic trial ends with slow first tokens at the full budget. Chunk, put in force, judges its budget by
+    the requests that arrived under it alone: the elastic trial's do not make it lower the budget, its own fast ones
+    then do (KV short)."""
+    auto, now = AutoPolicy(CFG), 100.0
+    state = {"arm": "elastic", "phase": "trial", "arm_rounds": CFG.trial_rounds - 1, "entered_at": now - 3.0,
+             "slot": 0, "order": ["elastic", "chunk", "chunk", "elastic"], "tally": {}, "scores": {}, "loads": {}}
+    slow = view([300.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off", kv_blocks_used=95)
+    assert auto.decide(slow, state, now) == [] and state["arm"] == "chunk" and state["changed_at"] == now
+    assert auto.decide(slow, state, now + 1.0) == []
+    fast = view([300.0] * 3 + [20.0] * 2, at=now + 1.5, budget=1024, elastic_mode="off", kv_blocks_used=95)
+    fast.recent["arrived_at"][:3] = [now - 0.9] * 3
+    assert auto.decide(fast, state, now + 2.0) == [Decision("max_num_batched_tokens", 512, "ttft_within_slo")]
+
+
 def test_auto_keeps_the_arm_in_force_on_a_tie_and_chunk_resumes_the_budget_it_left():
     """Both arms meet the SLOs alike: the arm in force stays and nothing changes back. Chunk in force at 256: its
     next round of trials (chunk, elastic, elastic, chunk) puts the full budget back for elastic, and chunk's return
