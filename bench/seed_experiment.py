@@ -151,7 +151,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     kinds = {a.request_id: a.kind for a in trace}
     counted = {a.request_id for a in trace if a.at_s >= args.learn_s}
     before = engine.get_stats()
-    timings, decisions, budgets, kv_usage = [], [], [], []
+    timings, decisions, budgets, kv_usage, auto_timeline = [], [], [], [], []
     start = time.monotonic()
     next_tick, i = start + args.interval_s, 0
     while True:
@@ -165,6 +165,9 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
         if controller is not None and now >= next_tick:
             decided = controller.step(time.time())
             decisions += [(round(now - start, 2), d.knob, d.value, d.reason) for ds in decided.values() for d in ds]
+            arm_phase = [fleet.state.get("arm"), fleet.state.get("phase")]
+            if policy == "auto" and (not auto_timeline or auto_timeline[-1][1:] != arm_phase):
+                auto_timeline.append([round(now - start, 2), *arm_phase])
             next_tick = now + args.interval_s
         if now - start > args.learn_s + args.duration_s + args.drain_s:
             break
@@ -214,7 +217,8 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
             "elastic_final": after.elastic_mode, "granted_final": after.reserve_granted_blocks,
             "decisions": decisions,
             "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores", "loads")} if policy == "auto"
-            else None, "wall_s": round(wall, 1)}
+            else None, "auto_timeline": auto_timeline if policy == "auto" else None,   # [t, arm, phase] on change
+            "wall_s": round(wall, 1)}
 
 
 def build_engine(args) -> LLMEngine:

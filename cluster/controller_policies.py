@@ -12,7 +12,8 @@ change), and the policies keep a hysteresis band of their own.
   step. So it halves the budget only while KV is short (usage at or above `kv_pressure`, or preemptions, or admissions
   that waited for free blocks since its last round) or the p90 of the requests' mean inter-token latency is over the
   ITL SLO, and the p90 TTFT of the requests that arrived and finished since the last change (`judged_window`) stays
-  under `headroom` x SLO. With KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL under
+  under `headroom` x SLO, or within the SLO when it has not measured the lower budget worse (a lower budget can
+  shorten TTFT too, so closeness to the SLO alone is no reason to hold). With KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL under
   `headroom` x ITL SLO and prompts waiting, it doubles a lowered budget back, unless it measured the higher budget's
   TTFT worse. Over the TTFT SLO it doubles (up to the budget the engine reserved activation memory for). Otherwise it
   holds. TTFT is not monotone in the budget (a large step stalls the short prompts queued behind a long one), so over
@@ -195,7 +196,7 @@ class ChunkPolicy(ConfiguredPolicy):
         kv_short = self._kv_short(s, state)
         itl_p90_ms = window.itl_quantile(0.9) * 1e3
         if kv_short or itl_p90_ms > cfg.itl_slo_ms:
-            if p90_ms < cfg.headroom * cfg.ttft_slo_ms and budget > floor:
+            if budget > floor and (p90_ms < cfg.headroom * cfg.ttft_slo_ms or not worse(lower)):
                 return [Decision("max_num_batched_tokens", lower, "ttft_within_slo" if kv_short else "itl_over_slo")]
         elif (budget < limit and s.num_waiting > 0 and s.kv_cache_usage < cfg.kv_pressure - cfg.kv_band
               and itl_p90_ms < cfg.headroom * cfg.itl_slo_ms and not worse(higher)):

@@ -39,14 +39,19 @@ def view(ttft_ms=(), itl_ms=None, at=10.0, budget=256, limit=1024, elastic=True,
     return ReplicaView("r0", s, budget_limit=limit, elastic_available=elastic, recent=recent, state=state or {})
 
 
-def test_chunk_halves_within_the_slo_while_kv_is_short_doubles_over_it_and_holds_in_between():
+def test_chunk_halves_within_the_slo_while_kv_is_short_doubles_over_it_and_holds_where_lower_measured_worse():
     chunk = ChunkPolicy(CFG)
     short = dict(kv_blocks_used=95)                                             # usage 0.95 >= kv_pressure
     assert chunk.decide(view([10, 20, 30], **short), {}, now=11.0) == [Decision("max_num_batched_tokens", 128,
                                                                                 "ttft_within_slo")]
     assert chunk.decide(view([150, 200, 300]), {}, now=11.0) == [Decision("max_num_batched_tokens", 512,
                                                                           "ttft_over_slo")]
-    assert chunk.decide(view([70, 80, 90], **short), {}, now=11.0) == []        # the hysteresis band
+    # within the SLO but not under headroom x SLO: it tries the lower budget unless it measured it worse
+    assert chunk.decide(view([70, 80, 90], **short), {}, now=11.0) == [Decision("max_num_batched_tokens", 128,
+                                                                                "ttft_within_slo")]
+    assert chunk.decide(view([70, 80, 90], **short), {"ttft_p90": {"128": (95.0, 10.0)}}, now=11.0) == []
+    assert chunk.decide(view([70, 80, 90], **short), {"ttft_p90": {"128": (60.0, 10.0)}}, now=11.0) == [
+        Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
     assert chunk.decide(view([10], **short), {}, now=11.0) == []                # too few requests to judge
     assert chunk.decide(view([10, 10], at=5.0, **short), {"changed_at": 6.0}, now=11.0) == []  # before the change
     assert chunk.decide(view([10, 10], budget=64, **short), {}, now=11.0) == []     # at its floor
