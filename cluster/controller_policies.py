@@ -17,9 +17,12 @@ change), and the policies keep a hysteresis band of their own.
   `headroom` x ITL SLO and prompts waiting, it doubles a lowered budget back, unless it measured the higher budget's
   TTFT worse. Over the TTFT SLO it doubles (up to the budget the engine reserved activation memory for). Otherwise it
   holds. TTFT is not monotone in the budget (a large step stalls the short prompts queued behind a long one), so over
-  the SLO it climbs on what it measured: it remembers each budget's p90 for `window_s`, does not double into a budget
-  measured worse than the current one, and halves instead (at the engine's limit too) unless the lower budget was
-  measured worse as well; then it holds.
+  the SLO it climbs on what it measured: it remembers for `window_s` each budget's attainment (the share of requests
+  that met both SLOs) and p90 TTFT, does not double into a budget measured worse than the current one (lower
+  attainment; on equal attainment, a p90 no lower), and halves instead (at the engine's limit too) unless the lower
+  budget was measured worse as well; then it holds. Attainment comes first because the p90 can be set by prompts too
+  long to meet the SLO at any budget, whose own prefill a smaller budget lengthens while it shortens every other
+  prompt's wait.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
@@ -178,13 +181,17 @@ class ChunkPolicy(ConfiguredPolicy):
         if len(window) < cfg.min_requests:
             return []
         p90_ms = window.ttft_quantile(0.9) * 1e3
-        measured = {b: m for b, m in state.get("ttft_p90", {}).items() if now - m[1] <= cfg.window_s}
-        measured[str(budget)] = (p90_ms, now)
-        state["ttft_p90"] = measured
+        measured = {b: m for b, m in state.get("measured", {}).items() if now - m[2] <= cfg.window_s}
+        measured[str(budget)] = (window.attainment(cfg), p90_ms, now)
+        state["measured"] = measured
 
         def worse(other: int) -> bool:
-            """`other` budget's recent p90 TTFT was no better than this budget's now."""
-            return str(other) in measured and measured[str(other)][0] >= p90_ms
+            """`other` budget's recent measurement was no better than this budget's now: no more requests met
+            both SLOs, and (as many did) its p90 TTFT was no lower."""
+            if str(other) not in measured:
+                return False
+            (met, p90, _), (met_now, _, _) = measured[str(other)], measured[str(budget)]
+            return met < met_now or (met == met_now and p90 >= p90_ms)
         higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
         if p90_ms > cfg.ttft_slo_ms:
             if budget < limit and not worse(higher):

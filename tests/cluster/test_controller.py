@@ -49,8 +49,8 @@ def test_chunk_halves_within_the_slo_while_kv_is_short_doubles_over_it_and_holds
     # within the SLO but not under headroom x SLO: it tries the lower budget unless it measured it worse
     assert chunk.decide(view([70, 80, 90], **short), {}, now=11.0) == [Decision("max_num_batched_tokens", 128,
                                                                                 "ttft_within_slo")]
-    assert chunk.decide(view([70, 80, 90], **short), {"ttft_p90": {"128": (95.0, 10.0)}}, now=11.0) == []
-    assert chunk.decide(view([70, 80, 90], **short), {"ttft_p90": {"128": (60.0, 10.0)}}, now=11.0) == [
+    assert chunk.decide(view([70, 80, 90], **short), {"measured": {"128": (1.0, 95.0, 10.0)}}, now=11.0) == []
+    assert chunk.decide(view([70, 80, 90], **short), {"measured": {"128": (1.0, 60.0, 10.0)}}, now=11.0) == [
         Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
     assert chunk.decide(view([10], **short), {}, now=11.0) == []                # too few requests to judge
     assert chunk.decide(view([10, 10], at=5.0, **short), {"changed_at": 6.0}, now=11.0) == []  # before the change
@@ -102,6 +102,18 @@ def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larg
     assert chunk.decide(view([300, 300], budget=512, at=100.0), state, now=80.0 + CFG.window_s) == [
         Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
     assert chunk.decide(view([500, 500], budget=64, limit=64), {}, now=11.0) == []     # nowhere to go
+
+
+def test_chunk_ranks_budgets_by_the_requests_that_met_the_slos_before_their_p90():
+    """A long prompt misses the SLO at every budget and sets the p90: at 1024 three short prompts of four met the
+    SLOs, at 512 none did though the p90 is lower. Over the SLO at 512, chunk goes back to 1024, and holds there
+    instead of halving into 512 again."""
+    chunk, state = ChunkPolicy(CFG), {}
+    assert chunk.decide(view([50, 50, 50, 500], budget=1024), state, now=11.0) == [
+        Decision("max_num_batched_tokens", 512, "ttft_over_slo_lower")]
+    assert chunk.decide(view([150, 150, 150, 400], budget=512), state, now=12.0) == [
+        Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
+    assert chunk.decide(view([50, 50, 50, 500], budget=1024), state, now=13.0) == []
 
 
 def test_chunk_judges_a_budget_by_the_requests_that_arrived_under_it_and_gives_back_none_it_measured_worse():
