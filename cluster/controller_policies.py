@@ -13,16 +13,16 @@ change), and the policies keep a hysteresis band of their own.
   that waited for free blocks since its last round) or the p90 of the requests' mean inter-token latency is over the
   ITL SLO, and the p90 TTFT of the requests that arrived and finished since the last change (`judged_window`) stays
   under `headroom` x SLO, or within the SLO when it has not measured the lower budget worse (a lower budget can
-  shorten TTFT too, so closeness to the SLO alone is no reason to hold). With KV to spare (usage below `kv_pressure` - `kv_band`, none of those), the p90 ITL under
-  `headroom` x ITL SLO and prompts waiting, it doubles a lowered budget back, unless it measured the higher budget's
-  TTFT worse. Over the TTFT SLO it doubles (up to the budget the engine reserved activation memory for). Otherwise it
-  holds. TTFT is not monotone in the budget (a large step stalls the short prompts queued behind a long one), so over
-  the SLO it climbs on what it measured: it remembers for `window_s` each budget's attainment (the share of requests
-  that met both SLOs) and p90 TTFT, does not double into a budget measured worse than the current one (lower
-  attainment; on equal attainment, a p90 no lower), and halves instead (at the engine's limit too) unless the lower
-  budget was measured worse as well; then it holds. Attainment comes first because the p90 can be set by prompts too
-  long to meet the SLO at any budget, whose own prefill a smaller budget lengthens while it shortens every other
-  prompt's wait.
+  shorten TTFT too, so closeness to the SLO alone is no reason to hold). With KV to spare (usage below
+  `kv_pressure` - `kv_band`, none of those), the p90 ITL under `headroom` x ITL SLO and prompts waiting, it doubles
+  a lowered budget back, unless it measured the higher budget worse. Over the TTFT SLO it doubles (up to the budget
+  the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the budget (a large step
+  stalls the short prompts queued behind a long one), so over the SLO it climbs on what it measured: it remembers for
+  `window_s` each budget's attainment (the share of requests that met both SLOs) and p90 TTFT, does not double into
+  a budget measured worse than the current one (lower attainment; on equal attainment, a p90 no lower), and halves
+  instead (at the engine's limit too) unless the lower budget was measured worse as well; then it holds. Attainment
+  comes first because the p90 can be set by prompts too long to meet the SLO at any budget, whose own prefill a
+  smaller budget lengthens while it shortens every other prompt's wait.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
@@ -181,8 +181,9 @@ class ChunkPolicy(ConfiguredPolicy):
         if len(window) < cfg.min_requests:
             return []
         p90_ms = window.ttft_quantile(0.9) * 1e3
+        met_now = window.attainment(cfg)
         measured = {b: m for b, m in state.get("measured", {}).items() if now - m[2] <= cfg.window_s}
-        measured[str(budget)] = (window.attainment(cfg), p90_ms, now)
+        measured[str(budget)] = (met_now, p90_ms, now)
         state["measured"] = measured
 
         def worse(other: int) -> bool:
@@ -190,7 +191,7 @@ class ChunkPolicy(ConfiguredPolicy):
             both SLOs, and (as many did) its p90 TTFT was no lower."""
             if str(other) not in measured:
                 return False
-            (met, p90, _), (met_now, _, _) = measured[str(other)], measured[str(budget)]
+            met, p90, _ = measured[str(other)]
             return met < met_now or (met == met_now and p90 >= p90_ms)
         higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
         if p90_ms > cfg.ttft_slo_ms:
