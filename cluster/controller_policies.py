@@ -18,11 +18,13 @@ change), and the policies keep a hysteresis band of their own.
   a lowered budget back, unless it measured the higher budget worse. Over the TTFT SLO it doubles (up to the budget
   the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the budget (a large step
   stalls the short prompts queued behind a long one), so over the SLO it climbs on what it measured: it remembers for
-  `window_s` each budget's attainment (the share of requests that met both SLOs) and p90 TTFT, does not double into
-  a budget measured worse than the current one (lower attainment; on equal attainment, a p90 no lower), and halves
-  instead (at the engine's limit too) unless the lower budget was measured worse as well; then it holds. Attainment
-  comes first because the p90 can be set by prompts too long to meet the SLO at any budget, whose own prefill a
-  smaller budget lengthens while it shortens every other prompt's wait.
+  `remember_s` each budget's attainment (the share of requests that met both SLOs) and p90 TTFT, does not double
+  into a budget measured worse than the current one measures now (lower attainment; on equal attainment, a p90 no
+  lower), and halves instead (at the engine's limit too) unless the lower budget was measured worse as well; then it
+  holds. Attainment comes first because the p90 can be set by prompts too long to meet the SLO at any budget, whose
+  own prefill a smaller budget lengthens while it shortens every other prompt's wait. The memory is long because
+  the budget in force is judged afresh every round: once it measures worse than a remembered neighbour, that
+  neighbour is tried again, while a short memory would send a settled budget probing the ones it already rejected.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
@@ -65,6 +67,8 @@ class ControllerConfig:
     kv_band: float = 0.20               # chunk raises a lowered budget only while KV usage < kv_pressure - kv_band
     min_requests: int = 4               # finished requests a latency judgment needs
     window_s: float = 60.0              # a judgment looks at most this far back
+    remember_s: float = 300.0           # chunk: how long another budget's measurement stands (the one in force is
+                                        # measured afresh every round, so a worse present re-opens a neighbour)
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
     trial_rounds: int = 6               # auto: rounds of one trial (each arm has two in a round of trials)
@@ -182,7 +186,7 @@ class ChunkPolicy(ConfiguredPolicy):
             return []
         p90_ms = window.ttft_quantile(0.9) * 1e3
         met_now = window.attainment(cfg)
-        measured = {b: m for b, m in state.get("measured", {}).items() if now - m[2] <= cfg.window_s}
+        measured = {b: m for b, m in state.get("measured", {}).items() if now - m[2] <= cfg.remember_s}
         measured[str(budget)] = (met_now, p90_ms, now)
         state["measured"] = measured
 

@@ -84,8 +84,9 @@ def test_chunk_lowers_the_budget_only_for_kv_or_slow_decodes_and_gives_it_back_w
 
 def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larger_steps_help():
     """TTFT is not monotone in the budget: at the engine's limit and over the SLO, chunk tries a lower budget; it
-    does not go back into a budget it measured worse, and holds where both neighbours measured worse. What it
-    measured expires after `window_s`."""
+    does not go back into a budget it measured worse, and holds where both neighbours measured worse than it
+    measures now, for as long as it remembers them (`remember_s`), past its judgment window: once the budget in
+    force measures worse than a remembered neighbour, it tries that one again."""
     chunk = ChunkPolicy(CFG)
     state = {}
     assert chunk.decide(view([500, 500], budget=1024), state, now=11.0) == [
@@ -98,8 +99,15 @@ def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larg
         Decision("max_num_batched_tokens", 512, "ttft_over_slo")]
     # 512 measures 300 again: 1024 (500) and 256 (450) both worse: hold
     assert chunk.decide(view([300, 300], budget=512), state, now=14.0) == []
-    # a minute on, what it measured has expired: it tries again
-    assert chunk.decide(view([300, 300], budget=512, at=100.0), state, now=80.0 + CFG.window_s) == [
+    # two judgment windows on, 512 still measures 300: the neighbours stand rejected
+    later = 14.0 + 2 * CFG.window_s
+    assert chunk.decide(view([300, 300], budget=512, at=later - 0.5), state, now=later) == []
+    # 512 now measures 460, worse than 256 was (450): it tries 256 again
+    assert chunk.decide(view([460, 460], budget=512, at=later + 0.5), state, now=later + 1.0) == [
+        Decision("max_num_batched_tokens", 256, "ttft_over_slo_lower")]
+    # past remember_s, what it measured has expired: it tries again
+    expired = later + 1.0 + CFG.remember_s
+    assert chunk.decide(view([300, 300], budget=512, at=expired - 0.5), state, now=expired) == [
         Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
     assert chunk.decide(view([500, 500], budget=64, limit=64), {}, now=11.0) == []     # nowhere to go
 
@@ -119,7 +127,7 @@ def test_chunk_ranks_budgets_by_the_requests_that_met_the_slos_before_their_p90(
 def test_chunk_judges_a_budget_by_the_requests_that_arrived_under_it_and_gives_back_none_it_measured_worse():
     """Requests that finished after the last change but arrived before it waited under the budget before: they do
     not judge the budget in force. Within the SLO, with KV to spare and prompts waiting, chunk doubles a lowered
-    budget back only into one whose TTFT it has not measured worse within `window_s`."""
+    budget back only into one it has not measured worse within `remember_s`."""
     chunk = ChunkPolicy(CFG)
     v = view([500, 500, 500], budget=512, at=12.0)                               # arrived at 11.6
     assert chunk.decide(v, {"changed_at": 11.8}, now=13.0) == []
@@ -130,7 +138,7 @@ def test_chunk_judges_a_budget_by_the_requests_that_arrived_under_it_and_gives_b
     assert chunk.decide(view([90, 90], budget=256, kv_blocks_used=50), state, now=20.0) == []   # 256: p90 90 ms
     waiting = dict(budget=128, kv_blocks_used=50, num_waiting=4)
     assert chunk.decide(view([10, 10], at=20.5, **waiting), state, now=21.0) == []
-    assert chunk.decide(view([10, 10], at=20.5 + CFG.window_s, **waiting), state, now=21.0 + CFG.window_s) == [
+    assert chunk.decide(view([10, 10], at=20.5 + CFG.remember_s, **waiting), state, now=21.0 + CFG.remember_s) == [
         Decision("max_num_batched_tokens", 256, "prompts_waiting_kv_spare")]
 
 
