@@ -206,6 +206,8 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     return {"policy": policy, "requests": len(counted), "requests_learning": len(trace) - len(counted),
             "finished": len(timings), "cut": len(cut),
             "request_latencies_s": latencies(timings), "learning_latencies_s": latencies(learning),
+            "request_arrivals_s": [round(t.arrival_time - start, 3) for t in timings],   # s into the trace, same order
+            "learning_arrivals_s": [round(t.arrival_time - start, 3) for t in learning],
             "decode_tok_s": round(out_tokens / last, 1),
             "ttft_ms": quantiles_ms(ttft),
             "ttft_long_ms": quantiles_ms(ttft_long), "decode_itl_ms": quantiles_ms(gaps),

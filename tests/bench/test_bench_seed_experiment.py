@@ -58,6 +58,9 @@ def test_a_learning_prefix_is_served_but_only_the_cold_goodput_counts_it(tmp_pat
     for (r,) in res["tp1"]["runs"].values():
         assert r["requests"] + r["requests_learning"] == trace["requests"] and r["requests_learning"] > 0
         assert len(r["request_latencies_s"]) == r["finished"] <= r["requests"]
+        assert len(r["request_arrivals_s"]) == r["finished"] and len(r["learning_arrivals_s"]) == len(
+            r["learning_latencies_s"])
+        assert all(1 <= t < 3 for t in r["request_arrivals_s"]) and all(t < 1 for t in r["learning_arrivals_s"])
         # SLOs nobody misses: goodput counts the finished counted requests per counted second, cold counts all
         assert r["goodput"] == round(len(r["request_latencies_s"]) / 2, 4)
         assert r["goodput_cold"] == round((len(r["request_latencies_s"]) + len(r["learning_latencies_s"])) / 3, 4)
