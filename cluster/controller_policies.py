@@ -31,18 +31,19 @@ change), and the policies keep a hysteresis band of their own.
 - `auto`: per replica, measures both (a round of trials of `trial_rounds` rounds each, with the other knob at its
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
   SLOs more often, and measures again after `exploit_rounds`. A round of trials runs the arms in the order A B B A,
-  A being the arm in force (for the first round `elastic`, whose neutral setting, the full budget, is the state an
-  engine starts in), and pools each arm's two trials: traffic that drifts across the round (a backlog building)
-  then weighs on both arms alike instead of favouring whichever went first. A trial is judged by the requests that
-  arrived and finished within it: a request's latency is set by the arm in force while it ran, and one that
-  arrived under the previous arm would credit this one with the other's work (every trial, whichever arm, keeps
-  the requests shorter than itself alike). A replica's first round of trials waits `trial_rounds` rounds (phase
-  `settle`): an engine that just started is filling up, and what it serves then would favour the first arm. On equal
-  attainment (both met the SLOs for every request, the common case away from overload) the arm whose requests
-  kept further from the SLOs wins (lower mean SLO load: per request the larger of TTFT / TTFT SLO and inter-token
-  latency / ITL SLO), by more than `switch_margin` against the arm in force, which otherwise stays. It decides from
-  what it measured, never from a default belief about which knob pays. `chunk` re-entering resumes at the budget
-  it left, so its second trial measures its setting, not its descent to it.
+  `trial_cycles` times, A being the arm in force (for the first round `elastic`, whose neutral setting, the full
+  budget, is the state an engine starts in), and pools each arm's trials: traffic that drifts across the round (a
+  backlog building, a busy stretch) then weighs on both arms alike instead of favouring whichever ran first or in
+  the quiet part. A request counts for the arm in force when it arrived, whenever it finishes (each request once, at
+  the first trial's end that sees it finished): its wait and first token were set by that arm, and judging only
+  those that finished within their trial would keep mostly the short ones. A replica's first round of trials waits
+  `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and what it serves then would
+  favour the first arm. On equal attainment (both met the SLOs for every request, the common case away from
+  overload) the arm whose requests kept further from the SLOs wins (lower mean SLO load: per request the larger of
+  TTFT / TTFT SLO and inter-token latency / ITL SLO), by more than `switch_margin` against the arm in force, which
+  otherwise stays. It decides from what it measured, never from a default belief about which knob pays. `chunk`
+  re-entering resumes at the budget it left and judges that budget by the requests that arrived while it was in
+  force at it, across its trials (`chunk_spans`), so its trials measure its setting and carry its descent to it on.
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ class ControllerConfig:
                                         # measured afresh every round, so a worse present re-opens a neighbour)
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
-    trial_rounds: int = 6               # auto: rounds of one trial (each arm has two in a round of trials)
+    trial_rounds: int = 6               # auto: rounds of one trial (each arm has two in each A B B A cycle)
+    trial_cycles: int = 1               # auto: A B B A cycles in a round of trials
     exploit_rounds: int = 60            # auto: rounds on the better knob before measuring both again
     switch_margin: float = 0.1          # auto, equal attainment: how much lower another arm's SLO load must be
 
@@ -133,8 +135,19 @@ class ReplicaView:
     def window(self, since: float, arrived_since: Optional[float] = None) -> Window:
         """The requests that finished after `since` (and, given `arrived_since`, arrived at or after it)."""
         r = self.recent
-        keep = [i for i, t in enumerate(r.get("finished_at", []))
-                if t > since and (arrived_since is None or r["arrived_at"][i] >= arrived_since)]
+        return self._rows([i for i, t in enumerate(r.get("finished_at", []))
+                           if t > since and (arrived_since is None or r["arrived_at"][i] >= arrived_since)])
+
+    def arrived_within(self, spans: list[list], now: float, finished_after: float = float("-inf")) -> Window:
+        """The requests that arrived within one of `spans` ([start, end]; end None: open until `now`) and finished
+        after `finished_after`."""
+        r = self.recent
+        return self._rows([i for i, t in enumerate(r.get("arrived_at", []))
+                           if r["finished_at"][i] > finished_after
+                           and any(a <= t < (now if b is None else b) for a, b in spans)])
+
+    def _rows(self, keep: list[int]) -> Window:
+        r = self.recent
         return Window([r["ttft_s"][i] for i in keep], [r["itl_s"][i] for i in keep],
                       [r["prompt_tokens"][i] for i in keep])
 
@@ -155,7 +168,12 @@ class Policy(Protocol):
 
 def judged_window(view: ReplicaView, state: dict, now: float, cfg: ControllerConfig) -> Window:
     """The requests that arrived and finished since the replica's last change, at most `window_s` back: one that
-    arrived before the change waited, or began its prefill, under the setting before it."""
+    arrived before the change waited, or began its prefill, under the setting before it. Under `auto`, which
+    changes the setting between its arms, the requests that arrived while `chunk` was in force at the budget it has
+    now (`chunk_spans`), at most `window_s` back."""
+    if "chunk_spans" in state:
+        spans = [[max(a, now - cfg.window_s), b] for a, b in state["chunk_spans"]["spans"]]
+        return view.arrived_within(spans, now)
     changed = state.get("changed_at", 0.0)
     return view.window(max(changed, now - cfg.window_s), arrived_since=changed)
 
@@ -256,39 +274,63 @@ class AutoPolicy(ConfiguredPolicy):
         if state["phase"] == "settle" and state["arm_rounds"] >= cfg.trial_rounds:
             self._start_trials(state, arm, arms, now)
         elif state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
-            trial = view.window(state["entered_at"], arrived_since=state["entered_at"])
-            if len(trial) or state["arm_rounds"] >= 3 * cfg.trial_rounds:
-                met, n, load = state["tally"].get(arm, (0.0, 0, 0.0))
-                if len(trial):
-                    met, n = met + trial.attainment(cfg) * len(trial), n + len(trial)
-                    load += trial.slo_load(cfg) * len(trial)
-                state["tally"][arm] = (met, n, load)
-                state["slot"] += 1
-                if state["slot"] < len(state["order"]):
-                    self._switch(view, state, state["order"][state["slot"]], "trial", now)
-                else:
-                    state["scores"] = {a: (m / k if k else None) for a, (m, k, _) in state["tally"].items()}
-                    state["loads"] = {a: (x / k if k else None) for a, (_, k, x) in state["tally"].items()}
-                    self._switch(view, state, self._best(state, arm), "exploit", now)
+            state["slots"].append([state["entered_at"], now, arm])
+            self._tally(view, state, now)
+            state["slot"] += 1
+            if state["slot"] < len(state["order"]):
+                self._switch(view, state, state["order"][state["slot"]], "trial", now)
+            else:
+                state["scores"] = {a: (m / k if k else None) for a, (m, k, _) in state["tally"].items()}
+                state["loads"] = {a: (x / k if k else None) for a, (_, k, x) in state["tally"].items()}
+                self._switch(view, state, self._best(state, arm), "exploit", now)
         elif state["phase"] == "exploit" and len(arms) > 1 and state["arm_rounds"] >= cfg.exploit_rounds:
             self._start_trials(state, arm, arms, now)
-        return self._neutral(view, state) or self.arms[state["arm"]].decide(view, state, now)
+        neutral = self._neutral(view, state)
+        self._track_chunk(state, None if neutral or state["arm"] != "chunk" else view.stats.max_num_batched_tokens,
+                          now)
+        return neutral or self.arms[state["arm"]].decide(view, state, now)
+
+    def _track_chunk(self, state: dict, budget: Optional[int], now: float) -> None:
+        """`chunk_spans`: when `chunk` was in force at its current budget (`budget`; None: another arm, or chunk
+        not yet back at its budget), so that it judges that budget by all its own requests across trials, not by
+        those of the trial in progress alone, nor by the other arm's."""
+        track = state.setdefault("chunk_spans", {"budget": None, "spans": []})
+        spans = track["spans"]
+        if budget is None:
+            if spans and spans[-1][1] is None:
+                spans[-1][1] = now
+            return
+        if track["budget"] != budget:
+            track.update(budget=budget, spans=[])
+        if not spans or spans[-1][1] is not None:
+            spans.append([now, None])
+        track["spans"] = [sp for sp in spans if sp[1] is None or sp[1] > now - self.cfg.window_s]
 
     def _start_trials(self, state: dict, in_force: str, arms: list[str], now: float, settle: bool = False) -> None:
-        """A round of trials in the order A B B A (A the arm in force; with `settle`, after `trial_rounds` rounds
-        of A not counted), or the one arm there is, kept."""
+        """A round of trials in the order A B B A, `trial_cycles` times (A the arm in force; with `settle`, after
+        `trial_rounds` rounds of A not counted), or the one arm there is, kept."""
         others = [a for a in arms if a != in_force]
-        order = [in_force, *others, *reversed(others), in_force] if others else [in_force]
-        state.update(tally={}, scores={}, loads={}, order=order, slot=0)
+        order = [in_force, *others, *reversed(others), in_force] * self.cfg.trial_cycles if others else [in_force]
+        state.update(tally={}, scores={}, loads={}, order=order, slot=0, slots=[], tallied_at=now)
         self._enter(state, in_force, ("settle" if settle else "trial") if others else "exploit", now)
 
+    def _tally(self, view: ReplicaView, state: dict, now: float) -> None:
+        """Credit each arm with the requests that arrived in its trials and finished since the last tally (so each
+        request once, whenever it finishes): how many met both SLOs, how many, and their summed SLO load."""
+        for arm in dict.fromkeys(a for _, _, a in state["slots"]):
+            spans = [[start, end] for start, end, a in state["slots"] if a == arm]
+            done = view.arrived_within(spans, now, finished_after=state["tallied_at"])
+            met, n, load = state["tally"].get(arm, (0.0, 0, 0.0))
+            if len(done):
+                met, n = met + done.attainment(self.cfg) * len(done), n + len(done)
+                load += done.slo_load(self.cfg) * len(done)
+            state["tally"][arm] = (met, n, load)
+        state["tallied_at"] = now
+
     def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:
-        """Put `arm` in force; `chunk` leaving keeps its budget for its return (`_neutral` restores it). Another arm
-        counts as a change (`changed_at`): `chunk` judges its budget by the requests that arrived under it."""
+        """Put `arm` in force; `chunk` leaving keeps its budget for its return (`_neutral` restores it)."""
         if state["arm"] == "chunk" and arm != "chunk":
             state["resume_budget"] = view.stats.max_num_batched_tokens
-        if arm != state["arm"]:
-            state["changed_at"] = now
         self._enter(state, arm, phase, now)
 
     def _best(self, state: dict, in_force: str) -> str:

@@ -216,19 +216,50 @@ def test_auto_credits_a_trial_only_with_the_requests_that_arrived_in_it():
     assert state["arm"] == "chunk"
 
 
-def test_auto_switching_arms_starts_chunks_judgment_afresh():
-    """The elastic trial ends with slow first tokens at the full budget. Chunk, put in force, judges its budget by
-    the requests that arrived under it alone: the elastic trial's do not make it lower the budget, its own fast ones
-    then do (KV short)."""
+def test_auto_credits_a_request_to_the_arm_it_arrived_under_whenever_it_finishes():
+    """A request that arrived in the elastic trial and finished in the chunk trial after it counts for elastic, at
+    the first tally that sees it finished (no request is counted twice); one that arrived in the chunk trial counts
+    for chunk. Trials of `trial_cycles` A B B A cycles."""
+    auto, t0 = AutoPolicy(replace(CFG, trial_cycles=2)), 100.0
+    state = {}
+    auto.decide(view([], budget=1024, elastic_mode="off"), state, t0 - CFG.trial_rounds)
+    assert state["order"] == ["elastic", "chunk", "chunk", "elastic"] * 2
+    state.update(phase="trial", arm_rounds=CFG.trial_rounds - 1, entered_at=t0, tallied_at=t0)
+    assert auto.decide(view([], budget=1024, elastic_mode="off"), state, t0 + 3.0) == [] and state["arm"] == "chunk"
+    done = view([300.0, 20.0], budget=1024, elastic_mode="off")
+    done.recent.update(arrived_at=[t0 + 1.0, t0 + 4.0], finished_at=[t0 + 5.0, t0 + 5.5])
+    for now in (t0 + 6.0, t0 + 9.0):
+        state["arm_rounds"] = CFG.trial_rounds - 1
+        auto.decide(done, state, now)
+        assert state["tally"] == {"elastic": (0.0, 1, pytest.approx(3.0)), "chunk": (1.0, 1, pytest.approx(0.2))}
+    assert [a for _, _, a in state["slots"]] == ["elastic", "chunk", "chunk"]
+
+
+def test_auto_runs_chunk_on_the_requests_that_arrived_under_its_budget_across_trials_not_the_other_arms():
+    """Chunk put in force after the elastic trial (slow first tokens at the full budget) judges its budget by the
+    requests that arrived while it was in force at that budget: none yet, then its own fast ones (KV short: it
+    halves). Back for its next trial at 512, the fast requests of its earlier trial at 512 still count and the
+    elastic trial's slow ones between do not."""
     auto, now = AutoPolicy(CFG), 100.0
+    order = ["elastic", "chunk", "chunk", "elastic"]
     state = {"arm": "elastic", "phase": "trial", "arm_rounds": CFG.trial_rounds - 1, "entered_at": now - 3.0,
-             "slot": 0, "order": ["elastic", "chunk", "chunk", "elastic"], "tally": {}, "scores": {}, "loads": {}}
+             "slot": 0, "order": order, "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": now - 3.0}
     slow = view([300.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off", kv_blocks_used=95)
-    assert auto.decide(slow, state, now) == [] and state["arm"] == "chunk" and state["changed_at"] == now
-    assert auto.decide(slow, state, now + 1.0) == []
-    fast = view([300.0] * 3 + [20.0] * 2, at=now + 1.5, budget=1024, elastic_mode="off", kv_blocks_used=95)
+    assert auto.decide(slow, state, now) == [] and state["arm"] == "chunk"
+    assert state["chunk_spans"] == {"budget": 1024, "spans": [[now, None]]}
+    fast = view([300.0] * 3 + [20.0] * 2, at=now + 0.6, budget=1024, elastic_mode="off", kv_blocks_used=95)
     fast.recent["arrived_at"][:3] = [now - 0.9] * 3
-    assert auto.decide(fast, state, now + 2.0) == [Decision("max_num_batched_tokens", 512, "ttft_within_slo")]
+    assert auto.decide(fast, state, now + 1.0) == [Decision("max_num_batched_tokens", 512, "ttft_within_slo")]
+
+    later = now + 20.0
+    state = {"arm": "elastic", "phase": "trial", "arm_rounds": CFG.trial_rounds - 1, "entered_at": later - 3.0,
+             "slot": 0, "order": order, "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": later - 3.0,
+             "resume_budget": 512,
+             "chunk_spans": {"budget": 512, "spans": [[later - 10.0, later - 5.0]]}}
+    mixed = view([20.0] * 2 + [300.0] * 3, at=later - 0.5, budget=512, elastic_mode="off", kv_blocks_used=95)
+    mixed.recent["arrived_at"] = [later - 9.0] * 2 + [later - 2.0] * 3
+    assert auto.decide(mixed, state, later) == [Decision("max_num_batched_tokens", 256, "ttft_within_slo")]
+    assert state["chunk_spans"]["spans"] == [[later - 10.0, later - 5.0], [later, None]]
 
 
 def test_auto_keeps_the_arm_in_force_on_a_tie_and_chunk_resumes_the_budget_it_left():
