@@ -267,7 +267,7 @@ class AutoPolicy(ConfiguredPolicy):
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
         cfg = self.cfg
         arms = list(ARMS) if view.elastic_available else ["chunk"]
-        if state.get("arm") not in arms or "slot" not in state:
+        if state.get("arm") not in arms or "slots" not in state:       # new, or state from before trial slots
             self._start_trials(state, arms[0], arms, now, settle=True)
         state["arm_rounds"] = state.get("arm_rounds", 0) + 1
         arm = state["arm"]

@@ -268,7 +268,7 @@ def test_auto_keeps_the_arm_in_force_on_a_tie_and_chunk_resumes_the_budget_it_le
     resumes at 256 instead of descending to it again."""
     auto, now = AutoPolicy(CFG), 100.0
     state = {"arm": "chunk", "phase": "exploit", "arm_rounds": CFG.exploit_rounds, "entered_at": 0.0, "slot": 0,
-             "order": ["chunk"], "tally": {}, "scores": {}, "loads": {}}
+             "order": ["chunk"], "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": 0.0}
     budget, decided, tried = 256, [], False
     while not (tried and state["phase"] == "exploit" and state["arm_rounds"] > 2):
         tried = tried or state["phase"] == "trial"
