@@ -295,16 +295,14 @@ class AutoPolicy(ConfiguredPolicy):
         not yet back at its budget), so that it judges that budget by all its own requests across trials, not by
         those of the trial in progress alone, nor by the other arm's."""
         track = state.setdefault("chunk_spans", {"budget": None, "spans": []})
-        spans = track["spans"]
         if budget is None:
-            if spans and spans[-1][1] is None:
-                spans[-1][1] = now
+            if track["spans"] and track["spans"][-1][1] is None:
+                track["spans"][-1][1] = now
             return
-        if track["budget"] != budget:
-            track.update(budget=budget, spans=[])
+        spans = track["spans"] if track["budget"] == budget else []
         if not spans or spans[-1][1] is not None:
             spans.append([now, None])
-        track["spans"] = [sp for sp in spans if sp[1] is None or sp[1] > now - self.cfg.window_s]
+        track.update(budget=budget, spans=[sp for sp in spans if sp[1] is None or sp[1] > now - self.cfg.window_s])
 
     def _start_trials(self, state: dict, in_force: str, arms: list[str], now: float, settle: bool = False) -> None:
         """A round of trials in the order A B B A, `trial_cycles` times (A the arm in force; with `settle`, after

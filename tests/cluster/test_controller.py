@@ -250,6 +250,9 @@ def test_auto_runs_chunk_on_the_requests_that_arrived_under_its_budget_across_tr
     fast = view([300.0] * 3 + [20.0] * 2, at=now + 0.6, budget=1024, elastic_mode="off", kv_blocks_used=95)
     fast.recent["arrived_at"][:3] = [now - 0.9] * 3
     assert auto.decide(fast, state, now + 1.0) == [Decision("max_num_batched_tokens", 512, "ttft_within_slo")]
+    fast.stats.max_num_batched_tokens = 512                     # applied: 512 is judged by its own requests alone
+    assert auto.decide(fast, state, now + 2.0) == []
+    assert state["chunk_spans"] == {"budget": 512, "spans": [[now + 2.0, None]]}
 
     later = now + 20.0
     state = {"arm": "elastic", "phase": "trial", "arm_rounds": CFG.trial_rounds - 1, "entered_at": later - 3.0,
