@@ -144,7 +144,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     if not policy.startswith("static"):
         controller = Controller(fleet, ControllerConfig(
             policy=policy, interval_s=args.interval_s, ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms,
-            min_budget=low, min_requests=4, window_s=4 * args.trial_cycles * args.trial_rounds * args.interval_s,
+            min_budget=low, min_requests=args.min_requests, window_s=4 * args.trial_cycles * args.trial_rounds * args.interval_s,
             cooldown_rounds=1, trial_rounds=args.trial_rounds, trial_cycles=args.trial_cycles, exploit_rounds=1 << 20))
     rng = np.random.default_rng(args.seed)
     prompts = {a.request_id: rng.integers(3, vocab - 1, a.prompt_tokens).tolist() for a in trace}
@@ -414,6 +414,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--interval-s", type=float, default=1.0, help="controller round")
     ap.add_argument("--trial-rounds", type=int, default=5,
                     help="auto: rounds of one trial (and of its settling before the first)")
+    ap.add_argument("--min-requests", type=int, default=4, help="finished requests a controller judgment needs")
     ap.add_argument("--trial-cycles", type=int, default=2,
                     help="auto: A B B A cycles of trials; short trials, many of them, so that both arms see the "
                          "trace's busy and quiet stretches alike")
