@@ -22,9 +22,9 @@ change), and the policies keep a hysteresis band of their own.
   into a budget measured worse than the current one measures now (lower attainment; on equal attainment, a p90 no
   lower), and halves instead (at the engine's limit too) unless the lower budget was measured worse as well; then it
   holds. Attainment comes first because the p90 can be set by prompts too long to meet the SLO at any budget, whose
-  own prefill a smaller budget lengthens while it shortens every other prompt's wait. The memory is long because
-  the budget in force is judged afresh every round: once it measures worse than a remembered neighbour, that
-  neighbour is tried again, while a short memory would send a settled budget probing the ones it already rejected.
+  own prefill a smaller budget lengthens while it shortens every other prompt's wait. The budget in force is judged
+  afresh every round, so a remembered neighbour is tried again once the present measures worse than it, and in any
+  case once the memory expires: a verdict rests on a few requests, and a longer memory would keep a wrong one longer.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
@@ -68,7 +68,7 @@ class ControllerConfig:
     kv_band: float = 0.20               # chunk raises a lowered budget only while KV usage < kv_pressure - kv_band
     min_requests: int = 4               # finished requests a latency judgment needs
     window_s: float = 60.0              # a judgment looks at most this far back
-    remember_s: float = 300.0           # chunk: how long another budget's measurement stands (the one in force is
+    remember_s: float = 60.0            # chunk: how long another budget's measurement stands (the one in force is
                                         # measured afresh every round, so a worse present re-opens a neighbour)
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put

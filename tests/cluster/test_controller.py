@@ -85,8 +85,8 @@ def test_chunk_lowers_the_budget_only_for_kv_or_slow_decodes_and_gives_it_back_w
 def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larger_steps_help():
     """TTFT is not monotone in the budget: at the engine's limit and over the SLO, chunk tries a lower budget; it
     does not go back into a budget it measured worse, and holds where both neighbours measured worse than it
-    measures now, for as long as it remembers them (`remember_s`), past its judgment window: once the budget in
-    force measures worse than a remembered neighbour, it tries that one again."""
+    measures now, for as long as it remembers them (`remember_s`): once the budget in force measures worse than a
+    remembered neighbour, it tries that one again."""
     chunk = ChunkPolicy(CFG)
     state = {}
     assert chunk.decide(view([500, 500], budget=1024), state, now=11.0) == [
@@ -99,8 +99,8 @@ def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larg
         Decision("max_num_batched_tokens", 512, "ttft_over_slo")]
     # 512 measures 300 again: 1024 (500) and 256 (450) both worse: hold
     assert chunk.decide(view([300, 300], budget=512), state, now=14.0) == []
-    # two judgment windows on, 512 still measures 300: the neighbours stand rejected
-    later = 14.0 + 2 * CFG.window_s
+    # later, within remember_s, 512 still measures 300: the neighbours stand rejected
+    later = 14.0 + CFG.remember_s / 2
     assert chunk.decide(view([300, 300], budget=512, at=later - 0.5), state, now=later) == []
     # 512 now measures 460, worse than 256 was (450): it tries 256 again
     assert chunk.decide(view([460, 460], budget=512, at=later + 0.5), state, now=later + 1.0) == [
