@@ -134,20 +134,14 @@ class ReplicaView:
 
     def window(self, since: float, arrived_since: Optional[float] = None) -> Window:
         """The requests that finished after `since` (and, given `arrived_since`, arrived at or after it)."""
-        r = self.recent
-        return self._rows([i for i, t in enumerate(r.get("finished_at", []))
-                           if t > since and (arrived_since is None or r["arrived_at"][i] >= arrived_since)])
+        return self.arrived_within([[float("-inf") if arrived_since is None else arrived_since, None]], since)
 
-    def arrived_within(self, spans: list[list], now: float, finished_after: float = float("-inf")) -> Window:
-        """The requests that arrived within one of `spans` ([start, end]; end None: open until `now`) and finished
-        after `finished_after`."""
+    def arrived_within(self, spans: list[list], finished_after: float = float("-inf")) -> Window:
+        """The requests that arrived within one of `spans` ([start, end]; end None: still open) and finished after
+        `finished_after`."""
         r = self.recent
-        return self._rows([i for i, t in enumerate(r.get("arrived_at", []))
-                           if r["finished_at"][i] > finished_after
-                           and any(a <= t < (now if b is None else b) for a, b in spans)])
-
-    def _rows(self, keep: list[int]) -> Window:
-        r = self.recent
+        keep = [i for i, t in enumerate(r.get("arrived_at", [])) if r["finished_at"][i] > finished_after
+                and any(a <= t and (b is None or t < b) for a, b in spans)]
         return Window([r["ttft_s"][i] for i in keep], [r["itl_s"][i] for i in keep],
                       [r["prompt_tokens"][i] for i in keep])
 
@@ -173,7 +167,7 @@ def judged_window(view: ReplicaView, state: dict, now: float, cfg: ControllerCon
     now (`chunk_spans`), at most `window_s` back."""
     if "chunk_spans" in state:
         spans = [[max(a, now - cfg.window_s), b] for a, b in state["chunk_spans"]["spans"]]
-        return view.arrived_within(spans, now)
+        return view.arrived_within(spans)
     changed = state.get("changed_at", 0.0)
     return view.window(max(changed, now - cfg.window_s), arrived_since=changed)
 
@@ -276,9 +270,8 @@ class AutoPolicy(ConfiguredPolicy):
         elif state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
             state["slots"].append([state["entered_at"], now, arm])
             self._tally(view, state, now)
-            state["slot"] += 1
-            if state["slot"] < len(state["order"]):
-                self._switch(view, state, state["order"][state["slot"]], "trial", now)
+            if len(state["slots"]) < len(state["order"]):
+                self._switch(view, state, state["order"][len(state["slots"])], "trial", now)
             else:
                 state["scores"] = {a: (m / k if k else None) for a, (m, k, _) in state["tally"].items()}
                 state["loads"] = {a: (x / k if k else None) for a, (_, k, x) in state["tally"].items()}
@@ -309,7 +302,7 @@ class AutoPolicy(ConfiguredPolicy):
         `trial_rounds` rounds of A not counted), or the one arm there is, kept."""
         others = [a for a in arms if a != in_force]
         order = [in_force, *others, *reversed(others), in_force] * self.cfg.trial_cycles if others else [in_force]
-        state.update(tally={}, scores={}, loads={}, order=order, slot=0, slots=[], tallied_at=now)
+        state.update(tally={}, scores={}, loads={}, order=order, slots=[], tallied_at=now)
         self._enter(state, in_force, ("settle" if settle else "trial") if others else "exploit", now)
 
     def _tally(self, view: ReplicaView, state: dict, now: float) -> None:
@@ -317,7 +310,7 @@ class AutoPolicy(ConfiguredPolicy):
         request once, whenever it finishes): how many met both SLOs, how many, and their summed SLO load."""
         for arm in dict.fromkeys(a for _, _, a in state["slots"]):
             spans = [[start, end] for start, end, a in state["slots"] if a == arm]
-            done = view.arrived_within(spans, now, finished_after=state["tallied_at"])
+            done = view.arrived_within(spans, finished_after=state["tallied_at"])
             met, n, load = state["tally"].get(arm, (0.0, 0, 0.0))
             if len(done):
                 met, n = met + done.attainment(self.cfg) * len(done), n + len(done)

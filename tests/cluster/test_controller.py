@@ -189,7 +189,7 @@ def test_auto_judges_the_knob_not_the_traffic_drifting_under_it():
     of TTFT: trials in turn would credit elastic, tried first on the cold engine; pooled A B B A, chunk wins."""
     auto, state, now = AutoPolicy(CFG), {}, 100.0
     while state.get("phase") != "exploit":
-        ttft = 10.0 + 20.0 * state.get("slot", 0) + (10.0 if state.get("arm", "elastic") == "elastic" else 0.0)
+        ttft = 10.0 + 20.0 * len(state.get("slots", [])) + (10.0 if state.get("arm", "elastic") == "elastic" else 0.0)
         auto.decide(view([ttft] * 3, itl_ms=[1.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off"), state, now)
         now += 1.0
     assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
@@ -243,7 +243,7 @@ def test_auto_runs_chunk_on_the_requests_that_arrived_under_its_budget_across_tr
     auto, now = AutoPolicy(CFG), 100.0
     order = ["elastic", "chunk", "chunk", "elastic"]
     state = {"arm": "elastic", "phase": "trial", "arm_rounds": CFG.trial_rounds - 1, "entered_at": now - 3.0,
-             "slot": 0, "order": order, "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": now - 3.0}
+             "order": order, "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": now - 3.0}
     slow = view([300.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off", kv_blocks_used=95)
     assert auto.decide(slow, state, now) == [] and state["arm"] == "chunk"
     assert state["chunk_spans"] == {"budget": 1024, "spans": [[now, None]]}
@@ -256,7 +256,7 @@ def test_auto_runs_chunk_on_the_requests_that_arrived_under_its_budget_across_tr
 
     later = now + 20.0
     state = {"arm": "elastic", "phase": "trial", "arm_rounds": CFG.trial_rounds - 1, "entered_at": later - 3.0,
-             "slot": 0, "order": order, "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": later - 3.0,
+             "order": order, "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": later - 3.0,
              "resume_budget": 512,
              "chunk_spans": {"budget": 512, "spans": [[later - 10.0, later - 5.0]]}}
     mixed = view([20.0] * 2 + [300.0] * 3, at=later - 0.5, budget=512, elastic_mode="off", kv_blocks_used=95)
@@ -270,14 +270,14 @@ def test_auto_keeps_the_arm_in_force_on_a_tie_and_chunk_resumes_the_budget_it_le
     next round of trials (chunk, elastic, elastic, chunk) puts the full budget back for elastic, and chunk's return
     resumes at 256 instead of descending to it again."""
     auto, now = AutoPolicy(CFG), 100.0
-    state = {"arm": "chunk", "phase": "exploit", "arm_rounds": CFG.exploit_rounds, "entered_at": 0.0, "slot": 0,
+    state = {"arm": "chunk", "phase": "exploit", "arm_rounds": CFG.exploit_rounds, "entered_at": 0.0,
              "order": ["chunk"], "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": 0.0}
     budget, decided, tried = 256, [], False
     while not (tried and state["phase"] == "exploit" and state["arm_rounds"] > 2):
         tried = tried or state["phase"] == "trial"
         for d in auto.decide(view([70.0] * 3, itl_ms=[1.0] * 3, at=now - 0.5, budget=budget, elastic_mode="off"),
                              state, now):
-            decided.append((state["slot"], d))
+            decided.append((len(state["slots"]), d))
             budget = d.value
         now += 1.0
     assert state["order"] == ["chunk", "elastic", "elastic", "chunk"] and state["arm"] == "chunk"
