@@ -145,7 +145,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
         window_s = 4 * args.trial_cycles * args.trial_rounds * args.interval_s       # a round of trials
         controller = Controller(fleet, ControllerConfig(
             policy=policy, interval_s=args.interval_s, ttft_slo_ms=args.ttft_slo_ms, itl_slo_ms=args.itl_slo_ms,
-            min_budget=low, min_requests=args.min_requests, window_s=window_s, remember_s=window_s, cooldown_rounds=1,
+            min_budget=low, min_requests=args.min_requests, window_s=window_s, cooldown_rounds=1,
             trial_rounds=args.trial_rounds, trial_cycles=args.trial_cycles, exploit_rounds=1 << 20))
     rng = np.random.default_rng(args.seed)
     prompts = {a.request_id: rng.integers(3, vocab - 1, a.prompt_tokens).tolist() for a in trace}

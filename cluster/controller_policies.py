@@ -11,20 +11,23 @@ change), and the policies keep a hysteresis band of their own.
   chunk stalls the decodes beside it for less), and costs prefill throughput: the queue's prompts get fewer tokens per
   step. So it halves the budget only while KV is short (usage at or above `kv_pressure`, or preemptions, or admissions
   that waited for free blocks since its last round) or the p90 of the requests' mean inter-token latency is over the
-  ITL SLO, and the p90 TTFT of the requests that arrived and finished since the last change (`judged_window`) stays
+  ITL SLO, and the p90 TTFT of the requests that arrived under the budget in force (at most `window_s` back) stays
   under `headroom` x SLO, or within the SLO when it has not measured the lower budget worse (a lower budget can
   shorten TTFT too, so closeness to the SLO alone is no reason to hold). With KV to spare (usage below
   `kv_pressure` - `kv_band`, none of those), the p90 ITL under `headroom` x ITL SLO and prompts waiting, it doubles
   a lowered budget back, unless it measured the higher budget worse. Over the TTFT SLO it doubles (up to the budget
   the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the budget (a large step
-  stalls the short prompts queued behind a long one), so over the SLO it climbs on what it measured: it remembers for
-  `remember_s` each budget's attainment (the share of requests that met both SLOs) and p90 TTFT, does not double
-  into a budget measured worse than the current one measures now (lower attainment; on equal attainment, a p90 no
-  lower), and halves instead (at the engine's limit too) unless the lower budget was measured worse as well; then it
-  holds. Attainment comes first because the p90 can be set by prompts too long to meet the SLO at any budget, whose
-  own prefill a smaller budget lengthens while it shortens every other prompt's wait. The budget in force is judged
-  afresh every round, so a remembered neighbour is tried again once the present measures worse than it, and in any
-  case once the memory expires: a verdict rests on a few requests, and a longer memory would keep a wrong one longer.
+  stalls the short prompts queued behind a long one), so over the SLO it climbs on what it measured: it does not
+  double into a budget measured worse than the one in force, and halves instead (at the engine's limit too) unless
+  the lower budget was measured worse as well; then it holds. A budget's evidence is every request that arrived
+  while it was in force (`budget_spans`) in the last `remember_s`, over all its visits, counted once when it
+  finishes (`evidence`): how many met both SLOs and how close to them they ran. A budget is worse than another when
+  its requests met both SLOs less often by more than `evidence_z` standard errors of the difference (attainment
+  first, because the p90 can be set by prompts too long to meet the SLO at any budget, whose own prefill a smaller
+  budget lengthens while it shortens every other prompt's wait); where neither differs (all met, or none did), when
+  its requests ran no further from the SLOs. A verdict drawn from a few requests is then no verdict, the neighbour is
+  tried again and its evidence grows with each visit, and the present's evidence grows while it is in force, so a
+  present that turns worse re-opens a neighbour.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
@@ -42,11 +45,12 @@ change), and the policies keep a hysteresis band of their own.
   overload) the arm whose requests kept further from the SLOs wins (lower mean SLO load: per request the larger of
   TTFT / TTFT SLO and inter-token latency / ITL SLO), by more than `switch_margin` against the arm in force, which
   otherwise stays. It decides from what it measured, never from a default belief about which knob pays. `chunk`
-  re-entering resumes at the budget it left and judges that budget by the requests that arrived while it was in
-  force at it, across its trials (`chunk_spans`), so its trials measure its setting and carry its descent to it on.
+  re-entering resumes at the budget it left, and its evidence counts only the requests that arrived while it was in
+  force, across its trials, so its trials measure its setting and carry its descent to it on.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -68,8 +72,9 @@ class ControllerConfig:
     kv_band: float = 0.20               # chunk raises a lowered budget only while KV usage < kv_pressure - kv_band
     min_requests: int = 4               # finished requests a latency judgment needs
     window_s: float = 60.0              # a judgment looks at most this far back
-    remember_s: float = 60.0            # chunk: how long another budget's measurement stands (the one in force is
-                                        # measured afresh every round, so a worse present re-opens a neighbour)
+    remember_s: float = 300.0           # chunk: how long a budget's requests count as evidence for it
+    evidence_z: float = 0.5             # chunk: a budget is worse than another when its requests met the SLOs less
+                                        # often by more than this many standard errors of the difference
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
     trial_rounds: int = 6               # auto: rounds of one trial (each arm has two in each A B B A cycle)
@@ -132,10 +137,6 @@ class ReplicaView:
     recent: dict[str, list] = field(default_factory=dict)     # RecentRequests.since columns
     state: dict = field(default_factory=dict)                 # what the controller left on the replica
 
-    def window(self, since: float, arrived_since: Optional[float] = None) -> Window:
-        """The requests that finished after `since` (and, given `arrived_since`, arrived at or after it)."""
-        return self.arrived_within([[float("-inf") if arrived_since is None else arrived_since, None]], since)
-
     def arrived_within(self, spans: list[list], finished_after: float = float("-inf")) -> Window:
         """The requests that arrived within one of `spans` ([start, end]; end None: still open) and finished after
         `finished_after`."""
@@ -160,18 +161,6 @@ class Policy(Protocol):
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]: ...
 
 
-def judged_window(view: ReplicaView, state: dict, now: float, cfg: ControllerConfig) -> Window:
-    """The requests that arrived and finished since the replica's last change, at most `window_s` back: one that
-    arrived before the change waited, or began its prefill, under the setting before it. Under `auto`, which
-    changes the setting between its arms, the requests that arrived while `chunk` was in force at the budget it has
-    now (`chunk_spans`), at most `window_s` back."""
-    if "chunk_spans" in state:
-        spans = [[max(a, now - cfg.window_s), b] for a, b in state["chunk_spans"]["spans"]]
-        return view.arrived_within(spans)
-    changed = state.get("changed_at", 0.0)
-    return view.window(max(changed, now - cfg.window_s), arrived_since=changed)
-
-
 class ConfiguredPolicy:
     name: str
 
@@ -193,22 +182,26 @@ class ChunkPolicy(ConfiguredPolicy):
         cfg = self.cfg
         budget, limit = view.stats.max_num_batched_tokens, view.budget_limit
         floor = min(cfg.min_budget, limit)
-        window = judged_window(view, state, now, cfg)
+        self.track(view, state, budget, now, since=state.get("changed_at", 0.0))
+        window = view.arrived_within(self._spans(state, budget, now - cfg.window_s))
         if len(window) < cfg.min_requests:
             return []
         p90_ms = window.ttft_quantile(0.9) * 1e3
-        met_now = window.attainment(cfg)
-        measured = {b: m for b, m in state.get("measured", {}).items() if now - m[2] <= cfg.remember_s}
-        measured[str(budget)] = (met_now, p90_ms, now)
-        state["measured"] = measured
+        evidence = self.evidence(state, now)
 
         def worse(other: int) -> bool:
-            """`other` budget's recent measurement was no better than this budget's now: no more requests met
-            both SLOs, and (as many did) its p90 TTFT was no lower."""
-            if str(other) not in measured:
+            """`other` budget's requests met both SLOs less often than this budget's, by more than `evidence_z`
+            standard errors of the difference; or, where neither's requests differ (all met, or none did), ran
+            no further from the SLOs (mean SLO load). Unmeasured (fewer than `min_requests`): not worse."""
+            mine, theirs = evidence.get(str(budget)), evidence.get(str(other))
+            if mine is None or theirs is None or min(mine[1], theirs[1]) < cfg.min_requests:
                 return False
-            met, p90, _ = measured[str(other)]
-            return met < met_now or (met == met_now and p90 >= p90_ms)
+            (met_a, n_a, load_a), (met_b, n_b, load_b) = mine, theirs
+            pooled = (met_a + met_b) / (n_a + n_b)
+            se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
+            if se > 0.0:
+                return met_a / n_a - met_b / n_b > cfg.evidence_z * se
+            return load_b / n_b >= load_a / n_a
         higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
         if p90_ms > cfg.ttft_slo_ms:
             if budget < limit and not worse(higher):
@@ -226,6 +219,52 @@ class ChunkPolicy(ConfiguredPolicy):
               and itl_p90_ms < cfg.headroom * cfg.itl_slo_ms and not worse(higher)):
             return [Decision("max_num_batched_tokens", higher, "prompts_waiting_kv_spare")]
         return []
+
+    def track(self, view: ReplicaView, state: dict, budget: Optional[int], now: float, since: float) -> None:
+        """Keep `budget_spans`, when each budget was in force under this policy (budget None: it is not now), and
+        credit each budget with the requests that arrived in its spans, once, when they finish (`evidence`, in
+        buckets over `remember_s`). A span of the budget in force opens at `since` (when it was put in force);
+        a budget changed within the policy closes the old span and opens the new one at `changed_at`."""
+        cfg, spans = self.cfg, state.setdefault("budget_spans", {})
+        open_key = next((b for b, sp in spans.items() if sp and sp[-1][1] is None), None)
+        key = None if budget is None else str(budget)
+        if open_key is not None and open_key != key:
+            spans[open_key][-1][1] = now if key is None else max(state.get("changed_at", 0.0), spans[open_key][-1][0])
+        if key is not None and open_key != key:
+            start = since if open_key is None else spans[open_key][-1][1]
+            spans.setdefault(key, []).append([start, None])
+        evidence = state.setdefault("evidence", {})
+        for b, sp in spans.items():
+            done = view.arrived_within(sp, finished_after=state.get("evidence_at", float("-inf")))
+            if not len(done):
+                continue
+            buckets = evidence.setdefault(b, [])
+            if not buckets or now - buckets[-1][0] >= cfg.remember_s / 10:
+                buckets.append([now, 0.0, 0, 0.0])
+            bucket = buckets[-1]
+            bucket[1] += done.attainment(cfg) * len(done)
+            bucket[2] += len(done)
+            bucket[3] += done.slo_load(cfg) * len(done)
+        state["evidence_at"] = now
+        state["budget_spans"] = {b: kept for b, sp in spans.items()
+                                 if (kept := [s for s in sp if s[1] is None or s[1] > now - cfg.window_s])}
+        state["evidence"] = {b: kept for b, bk in evidence.items()
+                             if (kept := [x for x in bk if x[0] > now - cfg.remember_s])}
+
+    def evidence(self, state: dict, now: float) -> dict[str, tuple[float, int, float]]:
+        """Per budget, over `remember_s`: how many of its requests met both SLOs, how many, their summed SLO load."""
+        out = {}
+        for b, buckets in state.get("evidence", {}).items():
+            kept = [x for x in buckets if x[0] > now - self.cfg.remember_s]
+            if kept:
+                out[b] = (sum(x[1] for x in kept), sum(x[2] for x in kept), sum(x[3] for x in kept))
+        return out
+
+    @staticmethod
+    def _spans(state: dict, budget: int, start: float) -> list[list]:
+        """The spans of `budget` from `start` on."""
+        return [[max(a, start), b] for a, b in state.get("budget_spans", {}).get(str(budget), [])
+                if b is None or b > start]
 
     def _kv_short(self, s: EngineStats, state: dict) -> bool:
         """KV usage at or above `kv_pressure` now, or preemptions or admissions that waited for free blocks since
@@ -279,23 +318,9 @@ class AutoPolicy(ConfiguredPolicy):
         elif state["phase"] == "exploit" and len(arms) > 1 and state["arm_rounds"] >= cfg.exploit_rounds:
             self._start_trials(state, arm, arms, now)
         neutral = self._neutral(view, state)
-        self._track_chunk(state, None if neutral or state["arm"] != "chunk" else view.stats.max_num_batched_tokens,
-                          now)
+        in_force = None if neutral or state["arm"] != "chunk" else view.stats.max_num_batched_tokens
+        self.arms["chunk"].track(view, state, in_force, now, since=max(state.get("changed_at", 0.0), state["entered_at"]))
         return neutral or self.arms[state["arm"]].decide(view, state, now)
-
-    def _track_chunk(self, state: dict, budget: Optional[int], now: float) -> None:
-        """`chunk_spans`: when `chunk` was in force at its current budget (`budget`; None: another arm, or chunk
-        not yet back at its budget), so that it judges that budget by all its own requests across trials, not by
-        those of the trial in progress alone, nor by the other arm's."""
-        track = state.setdefault("chunk_spans", {"budget": None, "spans": []})
-        if budget is None:
-            if track["spans"] and track["spans"][-1][1] is None:
-                track["spans"][-1][1] = now
-            return
-        spans = track["spans"] if track["budget"] == budget else []
-        if not spans or spans[-1][1] is not None:
-            spans.append([now, None])
-        track.update(budget=budget, spans=[sp for sp in spans if sp[1] is None or sp[1] > now - self.cfg.window_s])
 
     def _start_trials(self, state: dict, in_force: str, arms: list[str], now: float, settle: bool = False) -> None:
         """A round of trials in the order A B B A, `trial_cycles` times (A the arm in force; with `settle`, after

@@ -49,8 +49,9 @@ def test_chunk_halves_within_the_slo_while_kv_is_short_doubles_over_it_and_holds
     # within the SLO but not under headroom x SLO: it tries the lower budget unless it measured it worse
     assert chunk.decide(view([70, 80, 90], **short), {}, now=11.0) == [Decision("max_num_batched_tokens", 128,
                                                                                 "ttft_within_slo")]
-    assert chunk.decide(view([70, 80, 90], **short), {"measured": {"128": (1.0, 95.0, 10.0)}}, now=11.0) == []
-    assert chunk.decide(view([70, 80, 90], **short), {"measured": {"128": (1.0, 60.0, 10.0)}}, now=11.0) == [
+    # 128's requests all met the SLOs, as 256's do, but ran closer to them (mean SLO load 0.95 against 0.8): worse
+    assert chunk.decide(view([70, 80, 90], **short), {"evidence": {"128": [[10.0, 3.0, 3, 2.85]]}}, now=11.0) == []
+    assert chunk.decide(view([70, 80, 90], **short), {"evidence": {"128": [[10.0, 3.0, 3, 1.8]]}}, now=11.0) == [
         Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
     assert chunk.decide(view([10], **short), {}, now=11.0) == []                # too few requests to judge
     assert chunk.decide(view([10, 10], at=5.0, **short), {"changed_at": 6.0}, now=11.0) == []  # before the change
@@ -82,33 +83,41 @@ def test_chunk_lowers_the_budget_only_for_kv_or_slow_decodes_and_gives_it_back_w
                         now=11.0) == []
 
 
+def served(policy, state: dict, now: float, ttft_ms, budget: int, **kw) -> list[Decision]:
+    """One controller round over requests that arrived since the last round and finished now; a decision counts as
+    applied at `now` (`changed_at`), as the controller records it."""
+    decided = policy.decide(view(ttft_ms, at=now - 0.1, budget=budget, **kw), state, now)
+    if decided:
+        state["changed_at"] = now
+    return decided
+
+
 def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larger_steps_help():
     """TTFT is not monotone in the budget: at the engine's limit and over the SLO, chunk tries a lower budget; it
-    does not go back into a budget it measured worse, and holds where both neighbours measured worse than it
-    measures now, for as long as it remembers them (`remember_s`): once the budget in force measures worse than a
-    remembered neighbour, it tries that one again."""
-    chunk = ChunkPolicy(CFG)
-    state = {}
-    assert chunk.decide(view([500, 500], budget=1024), state, now=11.0) == [
+    does not go back into a budget it measured worse, and holds where both neighbours measured worse than the one
+    in force, for as long as it remembers them (`remember_s`); the evidence of the one in force keeps growing, and
+    once it measures worse than a remembered neighbour, that one is tried again."""
+    chunk, state = ChunkPolicy(CFG), {}
+    assert served(chunk, state, 11.0, [500, 500], 1024) == [
         Decision("max_num_batched_tokens", 512, "ttft_over_slo_lower")]
-    # 512 is better than 1024 was, still over the SLO: not back up to 1024, lower again
-    assert chunk.decide(view([300, 300], budget=512), state, now=12.0) == [
+    # 512 ran closer to the SLO than 1024 did (none met it at either): not back up to 1024, lower again
+    assert served(chunk, state, 12.0, [300, 300], 512) == [
         Decision("max_num_batched_tokens", 256, "ttft_over_slo_lower")]
     # 256 is worse than 512 was: back up to 512
-    assert chunk.decide(view([450, 450], budget=256), state, now=13.0) == [
-        Decision("max_num_batched_tokens", 512, "ttft_over_slo")]
+    assert served(chunk, state, 13.0, [450, 450], 256) == [Decision("max_num_batched_tokens", 512, "ttft_over_slo")]
     # 512 measures 300 again: 1024 (500) and 256 (450) both worse: hold
-    assert chunk.decide(view([300, 300], budget=512), state, now=14.0) == []
-    # later, within remember_s, 512 still measures 300: the neighbours stand rejected
+    assert served(chunk, state, 14.0, [300, 300], 512) == []
+    assert state["evidence"]["512"][0][1:] == [0.0, 4, pytest.approx(12.0)]     # both of its visits, pooled
     later = 14.0 + CFG.remember_s / 2
-    assert chunk.decide(view([300, 300], budget=512, at=later - 0.5), state, now=later) == []
-    # 512 now measures 460, worse than 256 was (450): it tries 256 again
-    assert chunk.decide(view([460, 460], budget=512, at=later + 0.5), state, now=later + 1.0) == [
+    assert served(chunk, state, later, [300, 300], 512) == []
+    # 512 turns worse: its requests now average 480, worse than 256's 450: it tries 256 again
+    assert served(chunk, state, later + 1.0, [700] * 4, 512) == [
         Decision("max_num_batched_tokens", 256, "ttft_over_slo_lower")]
-    # past remember_s, what it measured has expired: it tries again
-    expired = later + 1.0 + CFG.remember_s
-    assert chunk.decide(view([300, 300], budget=512, at=expired - 0.5), state, now=expired) == [
-        Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
+    # past remember_s, nothing measured stands: over the SLO at 512 it tries 1024 again
+    state = {"budget_spans": state["budget_spans"], "evidence": state["evidence"]}
+    expired = later + 2.0 + CFG.remember_s
+    assert served(chunk, state, expired, [300, 300], 512) == [Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
+    assert set(state["evidence"]) == {"512"}
     assert chunk.decide(view([500, 500], budget=64, limit=64), {}, now=11.0) == []     # nowhere to go
 
 
@@ -117,11 +126,30 @@ def test_chunk_ranks_budgets_by_the_requests_that_met_the_slos_before_their_p90(
     SLOs, at 512 none did though the p90 is lower. Over the SLO at 512, chunk goes back to 1024, and holds there
     instead of halving into 512 again."""
     chunk, state = ChunkPolicy(CFG), {}
-    assert chunk.decide(view([50, 50, 50, 500], budget=1024), state, now=11.0) == [
+    assert served(chunk, state, 11.0, [50, 50, 50, 500], 1024) == [
         Decision("max_num_batched_tokens", 512, "ttft_over_slo_lower")]
-    assert chunk.decide(view([150, 150, 150, 400], budget=512), state, now=12.0) == [
+    assert served(chunk, state, 12.0, [150, 150, 150, 400], 512) == [
         Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
-    assert chunk.decide(view([50, 50, 50, 500], budget=1024), state, now=13.0) == []
+    assert served(chunk, state, 13.0, [50, 50, 50, 500], 1024) == []
+
+
+def test_chunk_takes_no_verdict_from_a_few_requests_and_pools_a_budgets_visits():
+    """KV is short and 256's requests meet both SLOs 15 times in 24 (with TTFT in the band where chunk lowers only
+    into a budget not measured worse). 128 met them once in 2: a difference within `evidence_z` standard errors, so
+    128 is tried again; its second visit adds to its first, and 5 in 12 is worse: back to 256, and 256 holds."""
+    chunk, short = ChunkPolicy(CFG), dict(kv_blocks_used=95)
+    one_slow_decode = dict(itl_ms=[10.0, 10.0, 10.0, 60.0], **short)              # ITL SLO 50 ms
+    state = {"evidence": {"256": [[10.0, 12.0, 20, 12.0]], "128": [[10.0, 1.0, 2, 1.2]]}, "changed_at": 10.0}
+    assert served(chunk, state, 11.0, [60.0] * 4, 256, **one_slow_decode) == [
+        Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
+    assert served(chunk, state, 12.0, [60.0] * 4 + [160.0] * 6, 128, **short) == [
+        Decision("max_num_batched_tokens", 256, "ttft_over_slo")]
+    assert chunk.evidence(state, 12.0)["128"][:2] == (5.0, 12)
+    assert served(chunk, state, 13.0, [60.0] * 4, 256, **one_slow_decode) == []
+    # had 128 met the SLOs 2 times in 2, nothing would say it is worse either
+    state = {"evidence": {"256": [[10.0, 12.0, 20, 12.0]], "128": [[10.0, 2.0, 2, 1.2]]}, "changed_at": 10.0}
+    assert served(chunk, state, 11.0, [60.0] * 4, 256, **one_slow_decode) == [
+        Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
 
 
 def test_chunk_judges_a_budget_by_the_requests_that_arrived_under_it_and_gives_back_none_it_measured_worse():
@@ -135,10 +163,11 @@ def test_chunk_judges_a_budget_by_the_requests_that_arrived_under_it_and_gives_b
     assert chunk.decide(v, {"changed_at": 11.8}, now=13.0) == [
         Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
     state = {}
-    assert chunk.decide(view([90, 90], budget=256, kv_blocks_used=50), state, now=20.0) == []   # 256: p90 90 ms
-    waiting = dict(budget=128, kv_blocks_used=50, num_waiting=4)
-    assert chunk.decide(view([10, 10], at=20.5, **waiting), state, now=21.0) == []
-    assert chunk.decide(view([10, 10], at=20.5 + CFG.remember_s, **waiting), state, now=21.0 + CFG.remember_s) == [
+    assert served(chunk, state, 20.0, [90, 90], 256, kv_blocks_used=95) == [
+        Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
+    waiting = dict(kv_blocks_used=50, num_waiting=4)
+    assert served(chunk, state, 21.0, [10, 10], 128, **waiting) == []          # 256 ran closer to the SLOs
+    assert served(chunk, state, 21.0 + CFG.remember_s, [10, 10], 128, **waiting) == [
         Decision("max_num_batched_tokens", 256, "prompts_waiting_kv_spare")]
 
 
@@ -246,23 +275,23 @@ def test_auto_runs_chunk_on_the_requests_that_arrived_under_its_budget_across_tr
              "order": order, "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": now - 3.0}
     slow = view([300.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off", kv_blocks_used=95)
     assert auto.decide(slow, state, now) == [] and state["arm"] == "chunk"
-    assert state["chunk_spans"] == {"budget": 1024, "spans": [[now, None]]}
+    assert state["budget_spans"] == {"1024": [[now, None]]}
     fast = view([300.0] * 3 + [20.0] * 2, at=now + 0.6, budget=1024, elastic_mode="off", kv_blocks_used=95)
     fast.recent["arrived_at"][:3] = [now - 0.9] * 3
     assert auto.decide(fast, state, now + 1.0) == [Decision("max_num_batched_tokens", 512, "ttft_within_slo")]
-    fast.stats.max_num_batched_tokens = 512                     # applied: 512 is judged by its own requests alone
-    assert auto.decide(fast, state, now + 2.0) == []
-    assert state["chunk_spans"] == {"budget": 512, "spans": [[now + 2.0, None]]}
+    fast.stats.max_num_batched_tokens, state["changed_at"] = 512, now + 1.0     # applied: 512 is judged by its own
+    assert auto.decide(fast, state, now + 2.0) == []                              # requests alone
+    assert state["budget_spans"] == {"1024": [[now, now + 1.0]], "512": [[now + 1.0, None]]}
 
     later = now + 20.0
     state = {"arm": "elastic", "phase": "trial", "arm_rounds": CFG.trial_rounds - 1, "entered_at": later - 3.0,
              "order": order, "tally": {}, "scores": {}, "loads": {}, "slots": [], "tallied_at": later - 3.0,
              "resume_budget": 512,
-             "chunk_spans": {"budget": 512, "spans": [[later - 10.0, later - 5.0]]}}
+             "budget_spans": {"512": [[later - 10.0, later - 5.0]]}}
     mixed = view([20.0] * 2 + [300.0] * 3, at=later - 0.5, budget=512, elastic_mode="off", kv_blocks_used=95)
     mixed.recent["arrived_at"] = [later - 9.0] * 2 + [later - 2.0] * 3
     assert auto.decide(mixed, state, later) == [Decision("max_num_batched_tokens", 256, "ttft_within_slo")]
-    assert state["chunk_spans"]["spans"] == [[later - 10.0, later - 5.0], [later, None]]
+    assert state["budget_spans"] == {"512": [[later - 10.0, later - 5.0], [later, None]]}
 
 
 def test_auto_keeps_the_arm_in_force_on_a_tie_and_chunk_resumes_the_budget_it_left():
