@@ -15,19 +15,21 @@ change), and the policies keep a hysteresis band of their own.
   under `headroom` x SLO, or within the SLO when it has not measured the lower budget worse (a lower budget can
   shorten TTFT too, so closeness to the SLO alone is no reason to hold). With KV to spare (usage below
   `kv_pressure` - `kv_band`, none of those), the p90 ITL under `headroom` x ITL SLO and prompts waiting, it doubles
-  a lowered budget back, unless it measured the higher budget worse. Over the TTFT SLO it doubles (up to the budget
-  the engine reserved activation memory for). Otherwise it holds. TTFT is not monotone in the budget (a large step
-  stalls the short prompts queued behind a long one), so over the SLO it climbs on what it measured: it does not
-  double into a budget measured worse than the one in force, and halves instead (at the engine's limit too) unless
-  the lower budget was measured worse as well; then it holds. A budget's evidence is every request that arrived
-  while it was in force (`budget_spans`) in the last `remember_s`, over all its visits, counted once when it
-  finishes (`evidence`): how many met both SLOs and how close to them they ran. A budget is worse than another when
-  its requests met both SLOs less often by more than `evidence_z` standard errors of the difference (attainment
-  first, because the p90 can be set by prompts too long to meet the SLO at any budget, whose own prefill a smaller
-  budget lengthens while it shortens every other prompt's wait); where neither differs (all met, or none did), when
-  its requests ran no further from the SLOs. A verdict drawn from a few requests is then no verdict, the neighbour is
-  tried again and its evidence grows with each visit, and the present's evidence grows while it is in force, so a
-  present that turns worse re-opens a neighbour.
+  a lowered budget back, unless it measured the higher budget worse. Otherwise it holds. Over the TTFT SLO with KV
+  short it lowers all the same unless it measured the lower budget worse: a larger budget would take back from the
+  KV pool the activation memory a lower one granted. Over the TTFT SLO with KV to spare it climbs on what it
+  measured, since TTFT is not monotone in the budget (a large step stalls the short prompts queued behind a long
+  one): it doubles (up to the budget the engine reserved activation memory for) into a budget not yet measured or
+  measured better than the one in force, else halves into one such (at the engine's limit too), else holds; no
+  pressure says which way pays there, so a neighbour that showed no difference is no reason to move.
+  A budget's evidence is every request that arrived while it was in force (`budget_spans`) in the last
+  `remember_s`, over all its visits, counted once when it finishes (`evidence`): how many met both SLOs and how
+  close to them they ran. One budget measured better or worse than another when its requests met both SLOs more or
+  less often by more than `evidence_z` standard errors of the difference (attainment, because the p90 can be set by
+  prompts too long to meet the SLO at any budget, whose own prefill a smaller budget lengthens while it shortens
+  every other prompt's wait); where neither's differ (all met, or none did), by how close to the SLOs they ran. A
+  verdict drawn from a few requests is thus no verdict; a neighbour's evidence grows with each visit, and the
+  present's while it is in force, so a present that turns worse re-opens a neighbour.
 - `elastic`: lending the prefill reserve on or off by prefill pressure. On under KV pressure (usage at or above
   `kv_pressure`, or preemptions) while prompts are not waiting; off when reclaims preempt decodes while prompts
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
@@ -155,6 +157,23 @@ def increases(s: EngineStats, state: dict, key: str, counters: tuple[str, ...]) 
     return {c: getattr(s, c) - seen.get(c, getattr(s, c)) for c in counters}
 
 
+def compared(mine: Optional[tuple], theirs: Optional[tuple], cfg: ControllerConfig) -> Optional[int]:
+    """How one budget's evidence `theirs` (met, requests, summed SLO load) measured against `mine`: 1 better, -1
+    worse, 0 no difference shown, None not measured (fewer than `min_requests` requests on either side). Better or
+    worse: its requests met both SLOs more or less often, by more than `evidence_z` standard errors of the
+    difference; where neither's differ (all met, or none did), they ran further from the SLOs (lower mean SLO load),
+    or not."""
+    if mine is None or theirs is None or min(mine[1], theirs[1]) < cfg.min_requests:
+        return None
+    (met_a, n_a, load_a), (met_b, n_b, load_b) = mine, theirs
+    pooled = (met_a + met_b) / (n_a + n_b)
+    se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
+    if se > 0.0:
+        diff = met_b / n_b - met_a / n_a
+        return 1 if diff > cfg.evidence_z * se else -1 if diff < -cfg.evidence_z * se else 0
+    return 1 if load_b / n_b < load_a / n_a else -1
+
+
 class Policy(Protocol):
     name: str
 
@@ -189,32 +208,31 @@ class ChunkPolicy(ConfiguredPolicy):
         p90_ms = window.ttft_quantile(0.9) * 1e3
         evidence = self.evidence(state, now)
 
+        def vs(other: int) -> Optional[int]:
+            return compared(evidence.get(str(budget)), evidence.get(str(other)), cfg)
+
         def worse(other: int) -> bool:
-            """`other` budget's requests met both SLOs less often than this budget's, by more than `evidence_z`
-            standard errors of the difference; or, where neither's requests differ (all met, or none did), ran
-            no further from the SLOs (mean SLO load). Unmeasured (fewer than `min_requests`): not worse."""
-            mine, theirs = evidence.get(str(budget)), evidence.get(str(other))
-            if mine is None or theirs is None or min(mine[1], theirs[1]) < cfg.min_requests:
-                return False
-            (met_a, n_a, load_a), (met_b, n_b, load_b) = mine, theirs
-            pooled = (met_a + met_b) / (n_a + n_b)
-            se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
-            if se > 0.0:
-                return met_a / n_a - met_b / n_b > cfg.evidence_z * se
-            return load_b / n_b >= load_a / n_a
-        higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
-        if p90_ms > cfg.ttft_slo_ms:
-            if budget < limit and not worse(higher):
-                return [Decision("max_num_batched_tokens", higher, "ttft_over_slo")]
-            if budget > floor and not worse(lower):
-                return [Decision("max_num_batched_tokens", lower, "ttft_over_slo_lower")]
-            return []
+            return vs(other) == -1
+
+        def promising(other: int) -> bool:
+            """Not measured, or measured better."""
+            return vs(other) in (None, 1)
+
         s = view.stats
         kv_short = self._kv_short(s, state)
         itl_p90_ms = window.itl_quantile(0.9) * 1e3
+        higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
+        if p90_ms > cfg.ttft_slo_ms and not kv_short:
+            if budget < limit and promising(higher):
+                return [Decision("max_num_batched_tokens", higher, "ttft_over_slo")]
+            if budget > floor and promising(lower):
+                return [Decision("max_num_batched_tokens", lower, "ttft_over_slo_lower")]
+            return []
         if kv_short or itl_p90_ms > cfg.itl_slo_ms:
             if budget > floor and (p90_ms < cfg.headroom * cfg.ttft_slo_ms or not worse(lower)):
-                return [Decision("max_num_batched_tokens", lower, "ttft_within_slo" if kv_short else "itl_over_slo")]
+                reason = ("itl_over_slo" if not kv_short else "ttft_within_slo" if p90_ms <= cfg.ttft_slo_ms
+                          else "kv_short_over_slo")
+                return [Decision("max_num_batched_tokens", lower, reason)]
         elif (budget < limit and s.num_waiting > 0 and s.kv_cache_usage < cfg.kv_pressure - cfg.kv_band
               and itl_p90_ms < cfg.headroom * cfg.itl_slo_ms and not worse(higher)):
             return [Decision("max_num_batched_tokens", higher, "prompts_waiting_kv_spare")]
@@ -319,7 +337,8 @@ class AutoPolicy(ConfiguredPolicy):
             self._start_trials(state, arm, arms, now)
         neutral = self._neutral(view, state)
         in_force = None if neutral or state["arm"] != "chunk" else view.stats.max_num_batched_tokens
-        self.arms["chunk"].track(view, state, in_force, now, since=max(state.get("changed_at", 0.0), state["entered_at"]))
+        since = max(state.get("changed_at", 0.0), state["entered_at"])
+        self.arms["chunk"].track(view, state, in_force, now, since=since)
         return neutral or self.arms[state["arm"]].decide(view, state, now)
 
     def _start_trials(self, state: dict, in_force: str, arms: list[str], now: float, settle: bool = False) -> None:

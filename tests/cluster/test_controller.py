@@ -110,7 +110,7 @@ def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larg
     assert state["evidence"]["512"][0][1:] == [0.0, 4, pytest.approx(12.0)]     # both of its visits, pooled
     later = 14.0 + CFG.remember_s / 2
     assert served(chunk, state, later, [300, 300], 512) == []
-    # 512 turns worse: its requests now average 480, worse than 256's 450: it tries 256 again
+    # 512 turns worse: its requests now average 460, worse than 256's 450: it tries 256 again
     assert served(chunk, state, later + 1.0, [700] * 4, 512) == [
         Decision("max_num_batched_tokens", 256, "ttft_over_slo_lower")]
     # past remember_s, nothing measured stands: over the SLO at 512 it tries 1024 again
@@ -119,6 +119,21 @@ def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larg
     assert served(chunk, state, expired, [300, 300], 512) == [Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
     assert set(state["evidence"]) == {"512"}
     assert chunk.decide(view([500, 500], budget=64, limit=64), {}, now=11.0) == []     # nowhere to go
+
+
+def test_chunk_over_the_slo_with_kv_short_lowers_instead_of_taking_kv_blocks_for_a_larger_step():
+    """A larger budget takes back from the KV pool the activation memory a lower one granted it: with KV short,
+    over the TTFT SLO, chunk lowers the budget (as it does within the SLO) unless it measured the lower one worse,
+    even where the higher budget measured better earlier; with KV to spare it climbs."""
+    chunk, short = ChunkPolicy(CFG), dict(kv_blocks_used=95)
+    state = {"evidence": {"1024": [[10.0, 4.0, 4, 2.0]]}, "changed_at": 10.0}
+    assert served(chunk, state, 11.0, [150.0] * 4, 512, **short) == [
+        Decision("max_num_batched_tokens", 256, "kv_short_over_slo")]
+    state = {"evidence": {"1024": [[10.0, 4.0, 4, 2.0]]}, "changed_at": 10.0}
+    assert served(chunk, state, 11.0, [150.0] * 4, 512, kv_blocks_used=50) == [
+        Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
+    state = {"evidence": {"256": [[10.0, 0.0, 4, 8.0]]}, "changed_at": 10.0}
+    assert served(chunk, state, 11.0, [150.0] * 4, 512, **short) == []
 
 
 def test_chunk_ranks_budgets_by_the_requests_that_met_the_slos_before_their_p90():
@@ -142,7 +157,7 @@ def test_chunk_takes_no_verdict_from_a_few_requests_and_pools_a_budgets_visits()
     state = {"evidence": {"256": [[10.0, 12.0, 20, 12.0]], "128": [[10.0, 1.0, 2, 1.2]]}, "changed_at": 10.0}
     assert served(chunk, state, 11.0, [60.0] * 4, 256, **one_slow_decode) == [
         Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
-    assert served(chunk, state, 12.0, [60.0] * 4 + [160.0] * 6, 128, **short) == [
+    assert served(chunk, state, 12.0, [60.0] * 4 + [160.0] * 6, 128, kv_blocks_used=50) == [
         Decision("max_num_batched_tokens", 256, "ttft_over_slo")]
     assert chunk.evidence(state, 12.0)["128"][:2] == (5.0, 12)
     assert served(chunk, state, 13.0, [60.0] * 4, 256, **one_slow_decode) == []
