@@ -17,11 +17,11 @@ change), and the policies keep a hysteresis band of their own.
   `kv_pressure` - `kv_band`, none of those), the p90 ITL under `headroom` x ITL SLO and prompts waiting, it doubles
   a lowered budget back, unless it measured the higher budget worse. Otherwise it holds. Over the TTFT SLO with KV
   short it lowers all the same unless it measured the lower budget worse: a larger budget would take back from the
-  KV pool the activation memory a lower one granted. Over the TTFT SLO with KV to spare it climbs on what it
+  KV pool the activation memory a lower one granted. Over the TTFT SLO without KV short it climbs on what it
   measured, since TTFT is not monotone in the budget (a large step stalls the short prompts queued behind a long
-  one): it doubles (up to the budget the engine reserved activation memory for) into a budget not yet measured or
-  measured better than the one in force, else halves into one such (at the engine's limit too), else holds; no
-  pressure says which way pays there, so a neighbour that showed no difference is no reason to move.
+  one): with KV to spare it doubles (up to the budget the engine reserved activation memory for) into a budget not
+  yet measured or measured better than the one in force, else it halves into one such (at the engine's limit too),
+  else holds; no pressure says which way pays there, so a neighbour that showed no difference is no reason to move.
   A budget's evidence is every request that arrived while it was in force (`budget_spans`) in the last
   `remember_s`, over all its visits, counted once when it finishes (`evidence`): how many met both SLOs and how
   close to them they ran. One budget measured better or worse than another when its requests met both SLOs more or
@@ -221,9 +221,10 @@ class ChunkPolicy(ConfiguredPolicy):
         s = view.stats
         kv_short = self._kv_short(s, state)
         itl_p90_ms = window.itl_quantile(0.9) * 1e3
+        kv_spare = not kv_short and s.kv_cache_usage < cfg.kv_pressure - cfg.kv_band
         higher, lower = min(limit, 2 * budget), max(floor, budget // 2)
         if p90_ms > cfg.ttft_slo_ms and not kv_short:
-            if budget < limit and promising(higher):
+            if budget < limit and kv_spare and promising(higher):
                 return [Decision("max_num_batched_tokens", higher, "ttft_over_slo")]
             if budget > floor and promising(lower):
                 return [Decision("max_num_batched_tokens", lower, "ttft_over_slo_lower")]
@@ -233,8 +234,8 @@ class ChunkPolicy(ConfiguredPolicy):
                 reason = ("itl_over_slo" if not kv_short else "ttft_within_slo" if p90_ms <= cfg.ttft_slo_ms
                           else "kv_short_over_slo")
                 return [Decision("max_num_batched_tokens", lower, reason)]
-        elif (budget < limit and s.num_waiting > 0 and s.kv_cache_usage < cfg.kv_pressure - cfg.kv_band
-              and itl_p90_ms < cfg.headroom * cfg.itl_slo_ms and not worse(higher)):
+        elif (budget < limit and s.num_waiting > 0 and kv_spare and itl_p90_ms < cfg.headroom * cfg.itl_slo_ms
+              and not worse(higher)):
             return [Decision("max_num_batched_tokens", higher, "prompts_waiting_kv_spare")]
         return []
 

@@ -124,7 +124,7 @@ def test_chunk_over_the_slo_climbs_on_what_it_measured_not_on_a_belief_that_larg
 def test_chunk_over_the_slo_with_kv_short_lowers_instead_of_taking_kv_blocks_for_a_larger_step():
     """A larger budget takes back from the KV pool the activation memory a lower one granted it: with KV short,
     over the TTFT SLO, chunk lowers the budget (as it does within the SLO) unless it measured the lower one worse,
-    even where the higher budget measured better earlier; with KV to spare it climbs."""
+    even where the higher budget measured better earlier; it climbs only with KV to spare."""
     chunk, short = ChunkPolicy(CFG), dict(kv_blocks_used=95)
     state = {"evidence": {"1024": [[10.0, 4.0, 4, 2.0]]}, "changed_at": 10.0}
     assert served(chunk, state, 11.0, [150.0] * 4, 512, **short) == [
@@ -134,6 +134,11 @@ def test_chunk_over_the_slo_with_kv_short_lowers_instead_of_taking_kv_blocks_for
         Decision("max_num_batched_tokens", 1024, "ttft_over_slo")]
     state = {"evidence": {"256": [[10.0, 0.0, 4, 8.0]]}, "changed_at": 10.0}
     assert served(chunk, state, 11.0, [150.0] * 4, 512, **short) == []
+    # KV neither short nor to spare (usage 0.8): the blocks a larger budget takes back would make it short, and the
+    # lower budget would give them back: it does not climb (on a CPU trace it went up and down every few rounds)
+    state = {"evidence": {"1024": [[10.0, 4.0, 4, 2.0]]}, "changed_at": 10.0}
+    assert served(chunk, state, 11.0, [150.0] * 4, 512, kv_blocks_used=80) == [
+        Decision("max_num_batched_tokens", 256, "ttft_over_slo_lower")]
 
 
 def test_chunk_ranks_budgets_by_the_requests_that_met_the_slos_before_their_p90():
