@@ -206,7 +206,7 @@ class ChunkPolicy(ConfiguredPolicy):
         if len(window) < cfg.min_requests:
             return []
         p90_ms = window.ttft_quantile(0.9) * 1e3
-        evidence = self.evidence(state, now)
+        evidence = self.evidence(state)
 
         def vs(other: int) -> Optional[int]:
             return compared(evidence.get(str(budget)), evidence.get(str(other)), cfg)
@@ -266,18 +266,16 @@ class ChunkPolicy(ConfiguredPolicy):
             bucket[3] += done.slo_load(cfg) * len(done)
         state["evidence_at"] = now
         state["budget_spans"] = {b: kept for b, sp in spans.items()
-                                 if (kept := [s for s in sp if s[1] is None or s[1] > now - cfg.window_s])}
+                                 if (kept := [x for x in sp if x[1] is None or x[1] > now - cfg.window_s])}
         state["evidence"] = {b: kept for b, bk in evidence.items()
                              if (kept := [x for x in bk if x[0] > now - cfg.remember_s])}
 
-    def evidence(self, state: dict, now: float) -> dict[str, tuple[float, int, float]]:
-        """Per budget, over `remember_s`: how many of its requests met both SLOs, how many, their summed SLO load."""
-        out = {}
-        for b, buckets in state.get("evidence", {}).items():
-            kept = [x for x in buckets if x[0] > now - self.cfg.remember_s]
-            if kept:
-                out[b] = (sum(x[1] for x in kept), sum(x[2] for x in kept), sum(x[3] for x in kept))
-        return out
+    @staticmethod
+    def evidence(state: dict) -> dict[str, tuple[float, int, float]]:
+        """Per budget, over `remember_s` as `track` last kept it: how many of its requests met both SLOs, how many,
+        their summed SLO load."""
+        return {b: (sum(x[1] for x in bk), sum(x[2] for x in bk), sum(x[3] for x in bk))
+                for b, bk in state.get("evidence", {}).items()}
 
     @staticmethod
     def _spans(state: dict, budget: int, start: float) -> list[list]:

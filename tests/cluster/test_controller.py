@@ -164,7 +164,7 @@ def test_chunk_takes_no_verdict_from_a_few_requests_and_pools_a_budgets_visits()
         Decision("max_num_batched_tokens", 128, "ttft_within_slo")]
     assert served(chunk, state, 12.0, [60.0] * 4 + [160.0] * 6, 128, kv_blocks_used=50) == [
         Decision("max_num_batched_tokens", 256, "ttft_over_slo")]
-    assert chunk.evidence(state, 12.0)["128"][:2] == (5.0, 12)
+    assert chunk.evidence(state)["128"][:2] == (5.0, 12)
     assert served(chunk, state, 13.0, [60.0] * 4, 256, **one_slow_decode) == []
     # had 128 met the SLOs 2 times in 2, nothing would say it is worse either
     state = {"evidence": {"256": [[10.0, 12.0, 20, 12.0]], "128": [[10.0, 2.0, 2, 1.2]]}, "changed_at": 10.0}
