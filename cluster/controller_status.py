@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 
+from cluster.controller_policies import ChunkPolicy
 from replicas import envs
 
 LAST_DECISIONS = 5
@@ -43,6 +44,8 @@ def controller_view(replica: dict) -> dict:
             "reserve_granted_blocks": s.get("reserve_granted_blocks", 0),
             "kv_blocks_used": s["kv_blocks_used"], "kv_blocks_total": s["kv_blocks_total"],
             "preemptions": s["preemptions"], "kv_admission_waits": s["kv_admission_waits"],
+            "budget_evidence": {b: {"met": round(met, 1), "requests": n} for b, (met, n, _) in
+                                sorted(ChunkPolicy.evidence(state).items(), key=lambda kv: int(kv[0]))},
             "decisions": ctl.get("log", [])[-LAST_DECISIONS:]}
 
 
@@ -62,6 +65,9 @@ def render(views: list[dict]) -> str:
                   f"elastic {v['elastic_mode']}{'' if v['elastic_available'] else ' (not available)'}, "
                   f"reserve {reserve}, KV {kv:.0%} of {v['kv_blocks_total']} blocks",
                   f"  since start: {v['preemptions']} preemptions, {v['kv_admission_waits']} admissions waited for KV"]
+        if v["budget_evidence"]:
+            lines.append("  chunk's evidence, requests that met both SLOs per budget: " + ", ".join(
+                f"{b}: {e['met']:g} of {e['requests']}" for b, e in v["budget_evidence"].items()))
         for d in reversed(v["decisions"]):
             when = time.strftime("%H:%M:%S", time.localtime(d["at"]))
             lines.append(f"  {when} {'set' if d['applied'] else 'advised'} {d['knob']}={d['value']} ({d['reason']})")

@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.controller import Controller
+from cluster.controller_status import controller_view, render
 from cluster.controller_policies import (AutoPolicy, ChunkPolicy, ControllerConfig, Decision, ElasticPolicy,
                                          ReplicaView)
 from cluster.recent_requests import RecentRequests
@@ -189,6 +190,18 @@ def test_chunk_judges_a_budget_by_the_requests_that_arrived_under_it_and_gives_b
     assert served(chunk, state, 21.0, [10, 10], 128, **waiting) == []          # 256 ran closer to the SLOs
     assert served(chunk, state, 21.0 + CFG.remember_s, [10, 10], 128, **waiting) == [
         Decision("max_num_batched_tokens", 256, "prompts_waiting_kv_spare")]
+
+
+def test_status_shows_what_chunk_measured_per_budget():
+    """`tidal controller status` shows chunk's evidence: per budget, how many of its requests met both SLOs."""
+    stats = dict(max_num_batched_tokens=512, elastic_mode="off", reserve_bytes=0, reserve_lent_bytes=0,
+                 kv_blocks_used=10, kv_blocks_total=100, preemptions=0, kv_admission_waits=0)
+    state = {"policy": "chunk", "round": 7,
+             "evidence": {"1024": [[10.0, 1.0, 2, 1.5]], "512": [[10.0, 2.0, 3, 1.2], [40.0, 1.0, 1, 0.4]]}}
+    view = controller_view({"replica_id": "r0", "stats": stats, "budget_limit": 1024, "elastic_available": False,
+                            "controller": {"state": state, "log": []}})
+    assert view["budget_evidence"] == {"512": {"met": 3.0, "requests": 4}, "1024": {"met": 1.0, "requests": 2}}
+    assert "chunk's evidence, requests that met both SLOs per budget: 512: 3 of 4, 1024: 1 of 2" in render([view])
 
 
 def test_elastic_lends_under_kv_pressure_and_stops_under_prefill_pressure():
