@@ -71,3 +71,8 @@ def test_a_learning_prefix_is_served_but_only_the_cold_goodput_counts_it(tmp_pat
     assert all(a[1:] != b[1:] and a[0] <= b[0] for a, b in zip(timeline, timeline[1:]))
     trials = [arm for _, arm, phase in timeline if phase == "trial"]
     assert trials == ["elastic", "chunk"] * (len(trials) // 2) + ["elastic"] * (len(trials) % 2)
+    # what chunk measured per budget, under auto only from the requests that arrived while it was in force
+    evidence = res["tp1"]["runs"]["auto"][0]["chunk_evidence"]
+    assert res["tp1"]["runs"]["static512"][0]["chunk_evidence"] is None
+    assert all(0 <= e["met"] <= e["requests"] for e in evidence.values())
+    assert sum(e["requests"] for e in evidence.values()) <= trace["requests"]
