@@ -15,9 +15,9 @@ from dataclasses import replace
 import pytest
 
 from cluster.controller import Controller
-from cluster.controller_status import controller_view, render
 from cluster.controller_policies import (AutoPolicy, ChunkPolicy, ControllerConfig, Decision, ElasticPolicy,
                                          ReplicaView)
+from cluster.controller_status import controller_view, render
 from cluster.recent_requests import RecentRequests
 from replicas import LLM, SamplingParams
 from replicas.stats import EngineStats
