@@ -221,9 +221,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
             "decisions": decisions,
             "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores", "loads")} if policy == "auto"
             else None, "auto_timeline": auto_timeline if policy == "auto" else None,   # [t, arm, phase] on change
-            "chunk_evidence": {b: {"met": round(met, 1), "requests": n}            # what chunk measured per budget
-                               for b, (met, n, _) in ChunkPolicy.evidence(fleet.state).items()}
-            if policy in ("chunk", "auto") else None,
+            "chunk_evidence": ChunkPolicy.evidence_report(fleet.state) if policy in ("chunk", "auto") else None,
             "wall_s": round(wall, 1)}
 
 

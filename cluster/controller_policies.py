@@ -108,21 +108,14 @@ class Window:
     def itl_quantile(self, q: float) -> float:
         return quantile(self.itl_s, q)
 
-    def attainment(self, cfg: ControllerConfig) -> Optional[float]:
-        """The share of requests that met both the TTFT and the inter-token SLO (None: no request)."""
-        if not self.ttft_s:
-            return None
+    def totals(self, cfg: ControllerConfig) -> tuple[int, int, float]:
+        """How many requests met both the TTFT and the inter-token SLO, how many there are, and their summed SLO
+        load: per request max(TTFT / TTFT SLO, ITL / ITL SLO), how close to the SLOs it ran (below 1: within both).
+        Totals, so that a policy's evidence adds up across windows."""
         met = sum(1 for t, i in zip(self.ttft_s, self.itl_s)
                   if t * 1e3 <= cfg.ttft_slo_ms and i * 1e3 <= cfg.itl_slo_ms)
-        return met / len(self.ttft_s)
-
-    def slo_load(self, cfg: ControllerConfig) -> Optional[float]:
-        """The mean over requests of max(TTFT / TTFT SLO, ITL / ITL SLO): how close to the SLOs the requests ran
-        (below 1: within both; None: no request)."""
-        if not self.ttft_s:
-            return None
-        return sum(max(t * 1e3 / cfg.ttft_slo_ms, i * 1e3 / cfg.itl_slo_ms)
-                   for t, i in zip(self.ttft_s, self.itl_s)) / len(self.ttft_s)
+        load = sum(max(t * 1e3 / cfg.ttft_slo_ms, i * 1e3 / cfg.itl_slo_ms) for t, i in zip(self.ttft_s, self.itl_s))
+        return met, len(self.ttft_s), load
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -260,10 +253,7 @@ class ChunkPolicy(ConfiguredPolicy):
             buckets = evidence.setdefault(b, [])
             if not buckets or now - buckets[-1][0] >= cfg.remember_s / 10:
                 buckets.append([now, 0.0, 0, 0.0])
-            bucket = buckets[-1]
-            bucket[1] += done.attainment(cfg) * len(done)
-            bucket[2] += len(done)
-            bucket[3] += done.slo_load(cfg) * len(done)
+            buckets[-1][1:] = [x + y for x, y in zip(buckets[-1][1:], done.totals(cfg))]
         state["evidence_at"] = now
         state["budget_spans"] = {b: kept for b, sp in spans.items()
                                  if (kept := [x for x in sp if x[1] is None or x[1] > now - cfg.window_s])}
@@ -276,6 +266,12 @@ class ChunkPolicy(ConfiguredPolicy):
         their summed SLO load."""
         return {b: (sum(x[1] for x in bk), sum(x[2] for x in bk), sum(x[3] for x in bk))
                 for b, bk in state.get("evidence", {}).items()}
+
+    @classmethod
+    def evidence_report(cls, state: dict) -> dict[str, dict]:
+        """The evidence as reports show it, by budget: {"met": ..., "requests": ...}."""
+        return {b: {"met": round(met, 1), "requests": n}
+                for b, (met, n, _) in sorted(cls.evidence(state).items(), key=lambda kv: int(kv[0]))}
 
     @staticmethod
     def _spans(state: dict, budget: int, start: float) -> list[list]:
@@ -354,11 +350,8 @@ class AutoPolicy(ConfiguredPolicy):
         for arm in dict.fromkeys(a for _, _, a in state["slots"]):
             spans = [[start, end] for start, end, a in state["slots"] if a == arm]
             done = view.arrived_within(spans, finished_after=state["tallied_at"])
-            met, n, load = state["tally"].get(arm, (0.0, 0, 0.0))
-            if len(done):
-                met, n = met + done.attainment(self.cfg) * len(done), n + len(done)
-                load += done.slo_load(self.cfg) * len(done)
-            state["tally"][arm] = (met, n, load)
+            state["tally"][arm] = tuple(x + y for x, y in zip(state["tally"].get(arm, (0, 0, 0.0)),
+                                                              done.totals(self.cfg)))
         state["tallied_at"] = now
 
     def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:

@@ -44,8 +44,7 @@ def controller_view(replica: dict) -> dict:
             "reserve_granted_blocks": s.get("reserve_granted_blocks", 0),
             "kv_blocks_used": s["kv_blocks_used"], "kv_blocks_total": s["kv_blocks_total"],
             "preemptions": s["preemptions"], "kv_admission_waits": s["kv_admission_waits"],
-            "budget_evidence": {b: {"met": round(met, 1), "requests": n} for b, (met, n, _) in
-                                sorted(ChunkPolicy.evidence(state).items(), key=lambda kv: int(kv[0]))},
+            "budget_evidence": ChunkPolicy.evidence_report(state),
             "decisions": ctl.get("log", [])[-LAST_DECISIONS:]}
 
 
