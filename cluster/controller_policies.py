@@ -35,20 +35,22 @@ change), and the policies keep a hysteresis band of their own.
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
 - `auto`: per replica, measures both (a round of trials of `trial_rounds` rounds each, with the other knob at its
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
-  SLOs more often, and measures again after `exploit_rounds`. A round of trials runs the arms in the order A B B A,
-  `trial_cycles` times, A being the arm in force (for the first round `elastic`, whose neutral setting, the full
-  budget, is the state an engine starts in), and pools each arm's trials: traffic that drifts across the round (a
-  backlog building, a busy stretch) then weighs on both arms alike instead of favouring whichever ran first or in
-  the quiet part. A request counts for the arm in force when it arrived, whenever it finishes (each request once, at
-  the first trial's end that sees it finished): its wait and first token were set by that arm, and judging only
-  those that finished within their trial would keep mostly the short ones. A replica's first round of trials waits
-  `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and what it serves then would
-  favour the first arm. On equal attainment (both met the SLOs for every request, the common case away from
-  overload) the arm whose requests kept further from the SLOs wins (lower mean SLO load: per request the larger of
-  TTFT / TTFT SLO and inter-token latency / ITL SLO), by more than `switch_margin` against the arm in force, which
-  otherwise stays. It decides from what it measured, never from a default belief about which knob pays. `chunk`
-  re-entering resumes at the budget it left, and its evidence counts only the requests that arrived while it was in
-  force, across its trials, so its trials measure its setting and carry its descent to it on.
+  SLOs more often by more than `evidence_z` standard errors of the difference (as `chunk` ranks budgets: trials' few
+  dozen requests differing by one or two is noise, not a verdict), and measures again after `exploit_rounds`. A round
+  of trials runs the arms in the order A B B A, `trial_cycles` times, A being the arm in force (for the first round
+  `elastic`, whose neutral setting, the full budget, is the state an engine starts in), and pools each arm's trials:
+  traffic that drifts across the round (a backlog building, a busy stretch) then weighs on both arms alike instead of
+  favouring whichever ran first or in the quiet part. A request counts for the arm in force when it arrived, whenever
+  it finishes (each request once, at the first trial's end that sees it finished): its wait and first token were set
+  by that arm, and judging only those that finished within their trial would keep mostly the short ones. A replica's
+  first round of trials waits `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and
+  what it serves then would favour the first arm. Where attainment shows no difference (both met the SLOs for every
+  request, the common case away from overload, or differ by less than that) the arm whose requests kept further from
+  the SLOs wins (lower mean SLO load: per request the larger of TTFT / TTFT SLO and inter-token latency / ITL SLO), by
+  more than `switch_margin` against the arm in force, which otherwise stays. It decides from what it measured, never
+  from a default belief about which knob pays. `chunk` re-entering resumes at the budget it left, and its evidence
+  counts only the requests that arrived while it was in force, across its trials, so its trials measure its setting
+  and carry its descent to it on.
 """
 from __future__ import annotations
 
@@ -75,8 +77,9 @@ class ControllerConfig:
     min_requests: int = 4               # finished requests a latency judgment needs
     window_s: float = 60.0              # a judgment looks at most this far back
     remember_s: float = 300.0           # chunk: how long a budget's requests count as evidence for it
-    evidence_z: float = 0.5             # chunk: a budget is worse than another when its requests met the SLOs less
-                                        # often by more than this many standard errors of the difference
+    evidence_z: float = 0.5             # chunk's budgets, auto's arms: one is worse than another when its requests
+                                        # met the SLOs less often by more than this many standard errors of the
+                                        # difference
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
     trial_rounds: int = 6               # auto: rounds of one trial (each arm has two in each A B B A cycle)
@@ -150,21 +153,30 @@ def increases(s: EngineStats, state: dict, key: str, counters: tuple[str, ...]) 
     return {c: getattr(s, c) - seen.get(c, getattr(s, c)) for c in counters}
 
 
+def attainment_compared(mine: tuple, theirs: tuple, cfg: ControllerConfig) -> Optional[int]:
+    """How often the requests of evidence `theirs` (met, requests, summed SLO load) met both SLOs against those of
+    `mine`: 1 more often, -1 less often, by more than `evidence_z` standard errors of the difference; 0 no difference
+    shown; None no spread to judge by (all met, or none did, on both sides)."""
+    (met_a, n_a, _), (met_b, n_b, _) = mine, theirs
+    pooled = (met_a + met_b) / (n_a + n_b)
+    se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
+    if se == 0.0:
+        return None
+    diff = met_b / n_b - met_a / n_a
+    return 1 if diff > cfg.evidence_z * se else -1 if diff < -cfg.evidence_z * se else 0
+
+
 def compared(mine: Optional[tuple], theirs: Optional[tuple], cfg: ControllerConfig) -> Optional[int]:
     """How one budget's evidence `theirs` (met, requests, summed SLO load) measured against `mine`: 1 better, -1
     worse, 0 no difference shown, None not measured (fewer than `min_requests` requests on either side). Better or
-    worse: its requests met both SLOs more or less often, by more than `evidence_z` standard errors of the
-    difference; where neither's differ (all met, or none did), they ran further from the SLOs (lower mean SLO load),
-    or not."""
+    worse: its requests met both SLOs more or less often (`attainment_compared`); where neither's differ (all met,
+    or none did), they ran further from the SLOs (lower mean SLO load), or not."""
     if mine is None or theirs is None or min(mine[1], theirs[1]) < cfg.min_requests:
         return None
-    (met_a, n_a, load_a), (met_b, n_b, load_b) = mine, theirs
-    pooled = (met_a + met_b) / (n_a + n_b)
-    se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
-    if se > 0.0:
-        diff = met_b / n_b - met_a / n_a
-        return 1 if diff > cfg.evidence_z * se else -1 if diff < -cfg.evidence_z * se else 0
-    return 1 if load_b / n_b < load_a / n_a else -1
+    verdict = attainment_compared(mine, theirs, cfg)
+    if verdict is not None:
+        return verdict
+    return 1 if theirs[2] / theirs[1] < mine[2] / mine[1] else -1
 
 
 class Policy(Protocol):
@@ -361,19 +373,21 @@ class AutoPolicy(ConfiguredPolicy):
         self._enter(state, arm, phase, now)
 
     def _best(self, state: dict, in_force: str) -> str:
-        """The arm with the highest attainment; among equals, the lowest SLO load, the arm in force's counted
-        `switch_margin` lower (so noise between two equally good arms changes nothing)."""
-        scored = {a: s for a, s in state["scores"].items() if s is not None}
-        if not scored:
-            return in_force
-        top = max(scored.values())
-        loads = state.get("loads", {})
-
-        def load(a: str) -> float:
-            value = loads.get(a)
-            value = float("inf") if value is None else value
-            return value * (1.0 - self.cfg.switch_margin) if a == in_force else value
-        return min((a for a in scored if scored[a] == top), key=lambda a: (load(a), a != in_force))
+        """The arm in force, unless another measured better over the round of trials (each with at least
+        `min_requests` requests): its requests met both SLOs more often by more than `evidence_z` standard errors
+        of the difference, or, where no difference in attainment shows, ran further from the SLOs by more than
+        `switch_margin` (so noise between two equally good arms changes nothing)."""
+        cfg = self.cfg
+        tally = {a: t for a, t in state["tally"].items() if t[1] >= cfg.min_requests}
+        best = in_force
+        for arm, theirs in tally.items():
+            mine = tally.get(best)
+            if arm == best or mine is None:
+                continue
+            met = attainment_compared(mine, theirs, cfg)
+            if met == 1 or not met and theirs[2] / theirs[1] < (1.0 - cfg.switch_margin) * mine[2] / mine[1]:
+                best = arm
+        return best
 
     @staticmethod
     def _enter(state: dict, arm: str, phase: str, now: float) -> None:

@@ -362,6 +362,18 @@ def test_auto_breaks_an_attainment_tie_by_slo_headroom_beyond_the_margin(chunk_t
     assert state["arm"] == winner
 
 
+@pytest.mark.parametrize("chunk_met, winner", [(27, "elastic"), (29, "chunk")])
+def test_auto_takes_no_verdict_from_an_attainment_gap_within_the_noise(chunk_met, winner):
+    """Elastic, in force, met both SLOs for 26 of its 30 trial requests at a lower SLO load than chunk. Chunk's 27 of
+    30 is within half a standard error of that (a request or two of a few dozen is noise): the SLO load decides and
+    elastic stays. Chunk's 29 of 30 is beyond it: chunk wins on attainment alone."""
+    auto = AutoPolicy(replace(CFG, evidence_z=0.5))
+    state = {"tally": {"elastic": (26.0, 30, 15.0), "chunk": (float(chunk_met), 30, 18.0)}}
+    assert auto._best(state, "elastic") == winner
+    state["tally"]["elastic"] = (1.0, CFG.min_requests - 1, 0.5)        # too few requests to weigh: no verdict
+    assert auto._best(state, "elastic") == "elastic"
+
+
 class RecordingFleet:
     """Views given by the test, what the controller sends kept; replica state round-trips as on real replicas."""
 
