@@ -323,9 +323,29 @@ def _begin_drain(drain_timeout_s: float) -> None:
         ingress = serve.status().applications[APP_NAME].deployments
         name = "IngressReplica" if "IngressReplica" in ingress else "LLMReplica"    # whichever carries the streams
         handle = serve.get_deployment_handle(name, app_name=APP_NAME)
-        handle.broadcast("begin_drain", within_s).results(timeout_s=10, return_exceptions=True)
+        try:
+            handle.broadcast("begin_drain", within_s).results(timeout_s=10, return_exceptions=True)
+        finally:
+            _release_handle(handle)
     except Exception:  # noqa: BLE001 - without it the drain still ends, with Serve killing what still runs
         logger.warning("could not tell the replicas when the drain ends", exc_info=True)
+
+
+def _release_handle(handle) -> None:
+    """Stop what a used Serve handle left running in this driver: its router's metrics pusher and two long-poll
+    clients (the router's and the process's shared one), which re-issue `listen_for_change` from Serve's router
+    thread whenever a poll returns, as the app's deletion makes them do. A call issued after `ray.shutdown()` makes
+    Ray's core worker end the process with status 1, whatever exit code the CLI chose. A stopped client issues
+    no further poll; the one in flight returns when the controller stops."""
+    from ray.serve._private.router import SharedRouterLongPollClient
+
+    handle.shutdown()
+    router = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+    if router is None:
+        return
+    router.long_poll_client.stop()
+    # get_or_create is cached per (controller, loop): these arguments return the client the router registered with
+    SharedRouterLongPollClient.get_or_create(router._controller_handle, router._event_loop).long_poll_client.stop()
 
 
 def _wait_until_deleted(app_name: str, timeout_s: float) -> None:
