@@ -29,6 +29,8 @@ its per-request TTFT and mean inter-token latency. Every policy, the first inclu
 SLOs, which the controller's policies also steer by; a fixed SLO that no policy meets on a heavy trace would
 rank them by a handful of requests. KV: the blocks lending adds (the reserve) against the blocks
 the low budget grants. Requests still running `--drain-s` after the trace ends are cut and count as missed.
+Each run also keeps `rounds`, the engine at every controller round (budget, lending, KV pool and usage, requests
+running and waiting, preemptions, admission waits, tokens generated): where a policy's backlog began.
 
 Every policy runs `--repeats` times, interleaved (repeat r starts from the r-th policy); figures are means over
 the runs, each run kept. `--max-seconds` ends a call before a run that would not fit, `--resume` continues the
@@ -60,6 +62,9 @@ from replicas.device import resolve_device
 from replicas.engine import LLMEngine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a run's `rounds`: the engine at each controller round (counters since the run's start), every policy alike
+ROUND_COLUMNS = ("t_s", "max_num_batched_tokens", "elastic", "kv_blocks_total", "kv_usage", "running", "waiting",
+                 "preemptions", "kv_admission_waits", "generation_tokens")
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     kinds = {a.request_id: a.kind for a in trace}
     counted = {a.request_id for a in trace if a.at_s >= args.learn_s}
     before = engine.get_stats()
-    timings, decisions, budgets, kv_usage, auto_timeline = [], [], [], [], []
+    timings, decisions, budgets, kv_usage, auto_timeline, rounds = [], [], [], [], [], []
     start = time.monotonic()
     next_tick, i = start + args.interval_s, 0
     while True:
@@ -163,12 +168,19 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
                                SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True,
                                               detokenize=False), arrival_time=start + a.at_s, stream=False)
             i += 1
-        if controller is not None and now >= next_tick:
-            decided = controller.step(time.time())
-            decisions += [(round(now - start, 2), d.knob, d.value, d.reason) for ds in decided.values() for d in ds]
-            arm_phase = [fleet.state.get("arm"), fleet.state.get("phase")]
-            if policy == "auto" and (not auto_timeline or auto_timeline[-1][1:] != arm_phase):
-                auto_timeline.append([round(now - start, 2), *arm_phase])
+        if now >= next_tick:
+            s = engine.get_stats()
+            rounds.append([round(now - start, 2), s.max_num_batched_tokens, s.elastic_mode, s.kv_blocks_total,
+                           round(s.kv_cache_usage, 4), s.num_running, s.num_waiting, s.preemptions - before.preemptions,
+                           s.kv_admission_waits - before.kv_admission_waits,
+                           s.generation_tokens - before.generation_tokens])
+            if controller is not None:
+                decided = controller.step(time.time())
+                decisions += [(round(now - start, 2), d.knob, d.value, d.reason)
+                              for ds in decided.values() for d in ds]
+                arm_phase = [fleet.state.get("arm"), fleet.state.get("phase")]
+                if policy == "auto" and (not auto_timeline or auto_timeline[-1][1:] != arm_phase):
+                    auto_timeline.append([round(now - start, 2), *arm_phase])
             next_tick = now + args.interval_s
         if now - start > args.learn_s + args.duration_s + args.drain_s:
             break
@@ -222,6 +234,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
             "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores", "loads")} if policy == "auto"
             else None, "auto_timeline": auto_timeline if policy == "auto" else None,   # [t, arm, phase] on change
             "chunk_evidence": ChunkPolicy.evidence_report(fleet.state) if policy in ("chunk", "auto") else None,
+            "rounds": rounds, "rounds_columns": ROUND_COLUMNS,
             "wall_s": round(wall, 1)}
 
 

@@ -76,3 +76,13 @@ def test_a_learning_prefix_is_served_but_only_the_cold_goodput_counts_it(tmp_pat
     assert res["tp1"]["runs"]["static512"][0]["chunk_evidence"] is None
     assert all(0 <= e["met"] <= e["requests"] for e in evidence.values())
     assert sum(e["requests"] for e in evidence.values()) <= trace["requests"]
+    # the engine at every round, every policy alike: a static budget holds, counters only grow
+    for name, (r,) in res["tp1"]["runs"].items():
+        rounds = [dict(zip(r["rounds_columns"], row)) for row in r["rounds"]]
+        assert len(rounds) >= 2 and all(a["t_s"] < b["t_s"] for a, b in zip(rounds, rounds[1:]))
+        assert all(0.0 <= x["kv_usage"] <= 1.0 and x["kv_blocks_total"] > 0 for x in rounds)
+        for key in ("preemptions", "kv_admission_waits", "generation_tokens"):
+            assert all(0 <= a[key] <= b[key] for a, b in zip(rounds, rounds[1:]))
+        assert rounds[-1]["generation_tokens"] > 0
+        if name == "static512":
+            assert {x["max_num_batched_tokens"] for x in rounds} == {512} and {x["elastic"] for x in rounds} == {"off"}
