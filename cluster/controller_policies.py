@@ -35,8 +35,8 @@ change), and the policies keep a hysteresis band of their own.
   wait (each prompt then pays a reclaim, and lending costs more prefill latency than its KV gains).
 - `auto`: per replica, measures both (a round of trials of `trial_rounds` rounds each, with the other knob at its
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
-  SLOs more often by more than `evidence_z` standard errors of the difference (as `chunk` ranks budgets: trials' few
-  dozen requests differing by one or two is noise, not a verdict), and measures again after `exploit_rounds`. A round
+  SLOs more often by more than `arm_evidence_z` standard errors of the difference (trials' few dozen requests
+  differing by one or two is noise, not a verdict), and measures again after `exploit_rounds`. A round
   of trials runs the arms in the order A B B A, `trial_cycles` times, A being the arm in force (for the first round
   `elastic`, whose neutral setting, the full budget, is the state an engine starts in), and pools each arm's trials:
   traffic that drifts across the round (a backlog building, a busy stretch) then weighs on both arms alike instead of
@@ -46,11 +46,14 @@ change), and the policies keep a hysteresis band of their own.
   first round of trials waits `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and
   what it serves then would favour the first arm. Where attainment shows no difference (both met the SLOs for every
   request, the common case away from overload, or differ by less than that) the arm whose requests kept further from
-  the SLOs wins (lower mean SLO load: per request the larger of TTFT / TTFT SLO and inter-token latency / ITL SLO), by
-  more than `switch_margin` against the arm in force, which otherwise stays. It decides from what it measured, never
-  from a default belief about which knob pays. `chunk` re-entering resumes at the budget it left, and its evidence
-  counts only the requests that arrived while it was in force, across its trials, so its trials measure its setting
-  and carry its descent to it on.
+  one SLO and no closer to the other wins: its mean TTFT / TTFT SLO or mean inter-token latency / ITL SLO lower than
+  the arm in force's by more than `switch_margin` (relatively) and by more than `arm_evidence_z` standard errors, and
+  the other mean not higher by as much; otherwise the arm in force stays. Each SLO on its own, because a backlog
+  building under one arm shows in its first tokens while its decodes' inter-token latency stays put: the larger of
+  the two ratios per request would hide it for as long as the decodes ran closer to their SLO. It decides from what
+  it measured, never from a default belief about which knob pays. `chunk` re-entering resumes at the budget it left,
+  and its evidence counts only the requests that arrived while it was in force, across its trials, so its trials
+  measure its setting and carry its descent to it on.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ from replicas.stats import EngineStats
 
 POLICIES = ("static", "chunk", "elastic", "auto")
 ARMS = ("elastic", "chunk")          # the first round of trials, in this order
+TALLY_LEN = 6                        # an arm's trial tally: met, requests, then Window.slo_moments
 
 
 @dataclass(frozen=True)
@@ -77,15 +81,16 @@ class ControllerConfig:
     min_requests: int = 4               # finished requests a latency judgment needs
     window_s: float = 60.0              # a judgment looks at most this far back
     remember_s: float = 300.0           # chunk: how long a budget's requests count as evidence for it
-    evidence_z: float = 0.5             # chunk's budgets, auto's arms: one is worse than another when its requests
-                                        # met the SLOs less often by more than this many standard errors of the
-                                        # difference
+    evidence_z: float = 0.5             # chunk's budgets: one is worse than another when its requests met the
+                                        # SLOs less often by more than this many standard errors of the difference
+    arm_evidence_z: float = 1.0         # auto's arms, likewise, and for how far from each SLO their requests ran
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
     trial_rounds: int = 6               # auto: rounds of one trial (each arm has two in each A B B A cycle)
     trial_cycles: int = 1               # auto: A B B A cycles in a round of trials
     exploit_rounds: int = 60            # auto: rounds on the better knob before measuring both again
-    switch_margin: float = 0.1          # auto, equal attainment: how much lower another arm's SLO load must be
+    switch_margin: float = 0.1          # auto, equal attainment: how much further from an SLO (relatively) another
+                                        # arm's requests must have run
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,14 @@ class Window:
         load = sum(max(t * 1e3 / cfg.ttft_slo_ms, i * 1e3 / cfg.itl_slo_ms) for t, i in zip(self.ttft_s, self.itl_s))
         return met, len(self.ttft_s), load
 
+    def slo_moments(self, cfg: ControllerConfig) -> tuple[float, float, float, float]:
+        """Sums of TTFT / TTFT SLO and of its square, then of inter-token latency / ITL SLO and of its square, over
+        the requests: totals that add up across windows, from which `slo_distance_compared` takes means and their
+        standard errors."""
+        ttft = [t * 1e3 / cfg.ttft_slo_ms for t in self.ttft_s]
+        itl = [i * 1e3 / cfg.itl_slo_ms for i in self.itl_s]
+        return sum(ttft), sum(x * x for x in ttft), sum(itl), sum(x * x for x in itl)
+
 
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -153,17 +166,39 @@ def increases(s: EngineStats, state: dict, key: str, counters: tuple[str, ...]) 
     return {c: getattr(s, c) - seen.get(c, getattr(s, c)) for c in counters}
 
 
-def attainment_compared(mine: tuple, theirs: tuple, cfg: ControllerConfig) -> Optional[int]:
-    """How often the requests of evidence `theirs` (met, requests, summed SLO load) met both SLOs against those of
-    `mine`: 1 more often, -1 less often, by more than `evidence_z` standard errors of the difference; 0 no difference
-    shown; None no spread to judge by (all met, or none did, on both sides)."""
-    (met_a, n_a, _), (met_b, n_b, _) = mine, theirs
+def attainment_compared(mine: tuple, theirs: tuple, z: float) -> Optional[int]:
+    """How often the requests of evidence `theirs` (met, requests, ...) met both SLOs against those of `mine`: 1
+    more often, -1 less often, by more than `z` standard errors of the difference; 0 no difference shown; None no
+    spread to judge by (all met, or none did, on both sides)."""
+    (met_a, n_a), (met_b, n_b) = mine[:2], theirs[:2]
     pooled = (met_a + met_b) / (n_a + n_b)
     se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
     if se == 0.0:
         return None
     diff = met_b / n_b - met_a / n_a
-    return 1 if diff > cfg.evidence_z * se else -1 if diff < -cfg.evidence_z * se else 0
+    return 1 if diff > z * se else -1 if diff < -z * se else 0
+
+
+def slo_distance_compared(mine: tuple, theirs: tuple, cfg: ControllerConfig) -> int:
+    """How far from the SLOs the requests of evidence `theirs` (met, requests, then `Window.slo_moments`) ran
+    against those of `mine`, each SLO on its own: 1 further from one (the mean of latency / SLO lower by more than
+    `switch_margin` of `mine`'s and by more than `arm_evidence_z` standard errors of the difference) and not closer to
+    the other (higher by as much), -1 the reverse, 0 neither. Each SLO on its own, because a backlog shows first in
+    TTFT while the inter-token latency of the decodes beside it stays where it was: the larger of the two ratios
+    per request would hide it for as long as the ITL ratio is the larger."""
+    def moved(k: int) -> int:
+        (n_a, s_a, q_a), (n_b, s_b, q_b) = (mine[1], mine[k], mine[k + 1]), (theirs[1], theirs[k], theirs[k + 1])
+        mean_a, mean_b = s_a / n_a, s_b / n_b
+        var_a = max(0.0, q_a / n_a - mean_a * mean_a) * n_a / max(1, n_a - 1)
+        var_b = max(0.0, q_b / n_b - mean_b * mean_b) * n_b / max(1, n_b - 1)
+        beyond = abs(mean_b - mean_a) > cfg.arm_evidence_z * math.sqrt(var_a / n_a + var_b / n_b)
+        if beyond and mean_b < (1.0 - cfg.switch_margin) * mean_a:
+            return 1
+        if beyond and mean_b > (1.0 + cfg.switch_margin) * mean_a:
+            return -1
+        return 0
+    verdicts = {moved(2), moved(4)}
+    return 1 if verdicts <= {0, 1} and 1 in verdicts else -1 if verdicts <= {0, -1} and -1 in verdicts else 0
 
 
 def compared(mine: Optional[tuple], theirs: Optional[tuple], cfg: ControllerConfig) -> Optional[int]:
@@ -173,7 +208,7 @@ def compared(mine: Optional[tuple], theirs: Optional[tuple], cfg: ControllerConf
     or none did), they ran further from the SLOs (lower mean SLO load), or not."""
     if mine is None or theirs is None or min(mine[1], theirs[1]) < cfg.min_requests:
         return None
-    verdict = attainment_compared(mine, theirs, cfg)
+    verdict = attainment_compared(mine, theirs, cfg.evidence_z)
     if verdict is not None:
         return verdict
     return 1 if theirs[2] / theirs[1] < mine[2] / mine[1] else -1
@@ -325,7 +360,8 @@ class AutoPolicy(ConfiguredPolicy):
     def decide(self, view: ReplicaView, state: dict, now: float) -> list[Decision]:
         cfg = self.cfg
         arms = list(ARMS) if view.elastic_available else ["chunk"]
-        if state.get("arm") not in arms or "slots" not in state:       # new, or state from before trial slots
+        if state.get("arm") not in arms or "slots" not in state or any(    # new, or state of an earlier version
+                len(t) != TALLY_LEN for t in state["tally"].values()):
             self._start_trials(state, arms[0], arms, now, settle=True)
         state["arm_rounds"] = state.get("arm_rounds", 0) + 1
         arm = state["arm"]
@@ -337,8 +373,9 @@ class AutoPolicy(ConfiguredPolicy):
             if len(state["slots"]) < len(state["order"]):
                 self._switch(view, state, state["order"][len(state["slots"])], "trial", now)
             else:
-                state["scores"] = {a: (m / k if k else None) for a, (m, k, _) in state["tally"].items()}
-                state["loads"] = {a: (x / k if k else None) for a, (_, k, x) in state["tally"].items()}
+                state["scores"] = {a: (t[0] / t[1] if t[1] else None) for a, t in state["tally"].items()}
+                state["loads"] = {a: ({"ttft": t[2] / t[1], "itl": t[4] / t[1]} if t[1] else None)
+                                  for a, t in state["tally"].items()}
                 self._switch(view, state, self._best(state, arm), "exploit", now)
         elif state["phase"] == "exploit" and len(arms) > 1 and state["arm_rounds"] >= cfg.exploit_rounds:
             self._start_trials(state, arm, arms, now)
@@ -358,12 +395,13 @@ class AutoPolicy(ConfiguredPolicy):
 
     def _tally(self, view: ReplicaView, state: dict, now: float) -> None:
         """Credit each arm with the requests that arrived in its trials and finished since the last tally (so each
-        request once, whenever it finishes): how many met both SLOs, how many, and their summed SLO load."""
+        request once, whenever it finishes): how many met both SLOs, how many, and `Window.slo_moments`."""
         for arm in dict.fromkeys(a for _, _, a in state["slots"]):
             spans = [[start, end] for start, end, a in state["slots"] if a == arm]
             done = view.arrived_within(spans, finished_after=state["tallied_at"])
-            state["tally"][arm] = tuple(x + y for x, y in zip(state["tally"].get(arm, (0, 0, 0.0)),
-                                                              done.totals(self.cfg)))
+            met, n, _ = done.totals(self.cfg)
+            state["tally"][arm] = tuple(x + y for x, y in zip(state["tally"].get(arm, (0,) * TALLY_LEN),
+                                                              (met, n, *done.slo_moments(self.cfg))))
         state["tallied_at"] = now
 
     def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:
@@ -374,9 +412,9 @@ class AutoPolicy(ConfiguredPolicy):
 
     def _best(self, state: dict, in_force: str) -> str:
         """The arm in force, unless another measured better over the round of trials (each with at least
-        `min_requests` requests): its requests met both SLOs more often by more than `evidence_z` standard errors
-        of the difference, or, where no difference in attainment shows, ran further from the SLOs by more than
-        `switch_margin` (so noise between two equally good arms changes nothing)."""
+        `min_requests` requests): its requests met both SLOs more often by more than `arm_evidence_z` standard
+        errors of the difference, or, where no difference in attainment shows, ran further from one SLO and not
+        closer to the other (`slo_distance_compared`: so noise between two equally good arms changes nothing)."""
         cfg = self.cfg
         tally = {a: t for a, t in state["tally"].items() if t[1] >= cfg.min_requests}
         best = in_force
@@ -384,8 +422,8 @@ class AutoPolicy(ConfiguredPolicy):
             mine = tally.get(best)
             if arm == best or mine is None:
                 continue
-            met = attainment_compared(mine, theirs, cfg)
-            if met == 1 or not met and theirs[2] / theirs[1] < (1.0 - cfg.switch_margin) * mine[2] / mine[1]:
+            met = attainment_compared(mine, theirs, cfg.arm_evidence_z)
+            if met == 1 or not met and slo_distance_compared(mine, theirs, cfg) == 1:
                 best = arm
         return best
 

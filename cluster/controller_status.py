@@ -56,9 +56,9 @@ def render(views: list[dict]) -> str:
             f"{v['reserve_lent_bytes'] / 2**20:.0f} of {v['reserve_bytes'] / 2**20:.0f} MiB lent"
         if v["reserve_granted_blocks"]:
             reserve += f", {v['reserve_granted_blocks']} blocks given to KV at this budget"
-        loads = {a: None if x is None else round(x, 2) for a, x in (v.get("slo_loads") or {}).items()}
+        loads = ", ".join(f"{a} {x['ttft']:.2f}/{x['itl']:.2f}" for a, x in (v.get("slo_loads") or {}).items() if x)
         policy = v["policy"] + (f" ({v['phase']} {v['arm']}, scores {v['scores']}"
-                                f"{f', SLO loads {loads}' if loads else ''})" if v["arm"] else "")
+                                f"{f', mean TTFT/ITL over SLO {loads}' if loads else ''})" if v["arm"] else "")
         lines += [f"replica {v['replica_id']}: policy {policy}, {v['rounds']} rounds",
                   f"  max_num_batched_tokens {v['max_num_batched_tokens']} (limit {v['budget_limit']}), "
                   f"elastic {v['elastic_mode']}{'' if v['elastic_available'] else ' (not available)'}, "

@@ -16,7 +16,7 @@ import pytest
 
 from cluster.controller import Controller
 from cluster.controller_policies import (AutoPolicy, ChunkPolicy, ControllerConfig, Decision, ElasticPolicy,
-                                         ReplicaView)
+                                         ReplicaView, Window)
 from cluster.controller_status import controller_view, render
 from cluster.recent_requests import RecentRequests
 from replicas import LLM, SamplingParams
@@ -202,6 +202,12 @@ def test_status_shows_what_chunk_measured_per_budget():
                             "controller": {"state": state, "log": []}})
     assert view["budget_evidence"] == {"512": {"met": 3.0, "requests": 4}, "1024": {"met": 1.0, "requests": 2}}
     assert "chunk's evidence, requests that met both SLOs per budget: 512: 3 of 4, 1024: 1 of 2" in render([view])
+    state.update(policy="auto", arm="chunk", phase="exploit", scores={"elastic": 1.0, "chunk": 1.0},
+                 loads={"elastic": {"ttft": 0.186, "itl": 0.649}, "chunk": {"ttft": 0.08, "itl": 0.669}})
+    assert ("policy auto (exploit chunk, scores {'elastic': 1.0, 'chunk': 1.0}, mean TTFT/ITL over SLO elastic "
+            "0.19/0.65, chunk 0.08/0.67), 7 rounds") in render([controller_view(
+                {"replica_id": "r0", "stats": stats, "budget_limit": 1024, "elastic_available": True,
+                 "controller": {"state": state, "log": []}})])
 
 
 def test_elastic_lends_under_kv_pressure_and_stops_under_prefill_pressure():
@@ -252,10 +258,10 @@ def test_auto_judges_the_knob_not_the_traffic_drifting_under_it():
     auto, state, now = AutoPolicy(CFG), {}, 100.0
     while state.get("phase") != "exploit":
         ttft = 10.0 + 20.0 * len(state.get("slots", [])) + (10.0 if state.get("arm", "elastic") == "elastic" else 0.0)
-        auto.decide(view([ttft] * 3, itl_ms=[1.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off"), state, now)
+        auto.decide(view([ttft] * 12, itl_ms=[1.0] * 12, at=now - 0.5, budget=1024, elastic_mode="off"), state, now)
         now += 1.0
     assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
-    assert state["loads"] == pytest.approx({"elastic": 0.5, "chunk": 0.4})
+    assert {a: x["ttft"] for a, x in state["loads"].items()} == pytest.approx({"elastic": 0.5, "chunk": 0.4})
     assert state["arm"] == "chunk"
 
 
@@ -274,7 +280,8 @@ def test_auto_credits_a_trial_only_with_the_requests_that_arrived_in_it():
         v.recent["arrived_at"] = [now - 0.9] * 2 + [now - 3.5] * 6
         auto.decide(v, state, now)
         now += 1.0
-    assert state["loads"] == pytest.approx({"elastic": 0.6, "chunk": 0.2})
+    assert state["loads"] == {"elastic": pytest.approx({"ttft": 0.6, "itl": 0.1}),
+                              "chunk": pytest.approx({"ttft": 0.2, "itl": 0.1})}
     assert state["arm"] == "chunk"
 
 
@@ -293,7 +300,8 @@ def test_auto_credits_a_request_to_the_arm_it_arrived_under_whenever_it_finishes
     for now in (t0 + 6.0, t0 + 9.0):
         state["arm_rounds"] = CFG.trial_rounds - 1
         auto.decide(done, state, now)
-        assert state["tally"] == {"elastic": (0.0, 1, pytest.approx(3.0)), "chunk": (1.0, 1, pytest.approx(0.2))}
+        assert state["tally"] == {"elastic": pytest.approx((0, 1, 3.0, 9.0, 0.2, 0.04)),
+                                  "chunk": pytest.approx((1, 1, 0.2, 0.04, 0.2, 0.04))}
     assert [a for _, _, a in state["slots"]] == ["elastic", "chunk", "chunk"]
 
 
@@ -358,20 +366,57 @@ def test_auto_breaks_an_attainment_tie_by_slo_headroom_beyond_the_margin(chunk_t
         auto.decide(view([ttft] * 3, itl_ms=[5.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off"), state, now)
         now += 1.0
     assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
-    assert state["loads"] == pytest.approx({"elastic": 0.2, "chunk": chunk_ttft_ms / 100.0})
+    assert state["loads"] == {"elastic": pytest.approx({"ttft": 0.2, "itl": 0.1}),
+                              "chunk": pytest.approx({"ttft": chunk_ttft_ms / 100.0, "itl": 0.1})}
     assert state["arm"] == winner
 
 
-@pytest.mark.parametrize("chunk_met, winner", [(27, "elastic"), (29, "chunk")])
+@pytest.mark.parametrize("chunk_met, winner", [(27, "elastic"), (28, "elastic"), (29, "chunk")])
 def test_auto_takes_no_verdict_from_an_attainment_gap_within_the_noise(chunk_met, winner):
-    """Elastic, in force, met both SLOs for 26 of its 30 trial requests at a lower SLO load than chunk. Chunk's 27 of
-    30 is within half a standard error of that (a request or two of a few dozen is noise): the SLO load decides and
-    elastic stays. Chunk's 29 of 30 is beyond it: chunk wins on attainment alone."""
-    auto = AutoPolicy(replace(CFG, evidence_z=0.5))
-    state = {"tally": {"elastic": (26.0, 30, 15.0), "chunk": (float(chunk_met), 30, 18.0)}}
+    """Elastic, in force, met both SLOs for 26 of its 30 trial requests, its first tokens further from the SLO than
+    chunk's. Chunk's 27 or 28 of 30 is within one standard error of that (a request or two of a few dozen is noise):
+    how far from the SLOs they ran decides, and elastic stays. Chunk's 29 of 30 is beyond it: chunk wins on
+    attainment alone."""
+    auto = AutoPolicy(replace(CFG, arm_evidence_z=1.0))
+    load = {"elastic": 0.5, "chunk": 0.6}                                # every request's TTFT / SLO; ITL alike
+    state = {"tally": {a: (met, 30, 30 * load[a], 30 * load[a] ** 2, 3.0, 0.3)
+                       for a, met in (("elastic", 26), ("chunk", chunk_met))}}
     assert auto._best(state, "elastic") == winner
-    state["tally"]["elastic"] = (1.0, CFG.min_requests - 1, 0.5)        # too few requests to weigh: no verdict
+    state["tally"]["elastic"] = (1, CFG.min_requests - 1, 0.5, 0.25, 0.1, 0.01)   # too few requests: no verdict
     assert auto._best(state, "elastic") == "elastic"
+
+
+def trial_tally(ttft_s: list[float], itl_s: list[float], cfg: ControllerConfig) -> tuple:
+    window = Window(ttft_s, itl_s, [32] * len(ttft_s))
+    met, n, _ = window.totals(cfg)
+    return (met, n, *window.slo_moments(cfg))
+
+
+@pytest.mark.parametrize("chunk_itl_s, winner", [(0.057, "chunk"), (0.070, "elastic")])
+def test_auto_sees_a_backlog_in_ttft_that_the_binding_itl_slo_hides(chunk_itl_s, winner):
+    """Every trial request met both SLOs (TTFT 13 s, ITL 85 ms) and the inter-token latency ran closest to its SLO
+    under both arms; under elastic (full budget, in force) the first tokens took longer trial after trial, a backlog
+    building, under chunk they did not. The larger of the two ratios per request, ITL's, hid that; each SLO on its
+    own shows chunk further from the TTFT SLO and, with an ITL 3% higher, no closer to the other: chunk. With an
+    ITL 26% higher than elastic's (beyond `switch_margin`) it trades one SLO for the other: elastic stays."""
+    cfg = replace(CFG, ttft_slo_ms=13_000.0, itl_slo_ms=85.0, arm_evidence_z=1.0, switch_margin=0.1)
+    elastic = trial_tally([0.4 + 0.07 * k for k in range(86)], [0.0555] * 86, cfg)       # 0.4 s to 6.4 s
+    chunk = trial_tally([0.4 + 0.015 * k for k in range(76)], [chunk_itl_s] * 76, cfg)   # 0.4 s to 1.5 s
+    assert AutoPolicy(cfg)._best({"tally": {"elastic": elastic, "chunk": chunk}}, "elastic") == winner
+    # the larger ratio per request is ITL's for every request: its mean favours elastic
+    assert elastic[:2] == (86, 86) and chunk[:2] == (76, 76) and elastic[4] / 86 < chunk[4] / 76
+
+
+@pytest.mark.parametrize("requests, winner", [(8, "elastic"), (80, "chunk")])
+def test_auto_takes_no_verdict_from_a_ttft_gap_within_the_noise(requests, winner):
+    """Chunk's mean TTFT is 20% lower than elastic's, but the first tokens of both spread widely (0.1 s to 10 s):
+    over 8 trial requests each the gap is within a standard error of the difference and elastic, in force,
+    stays; over 80 each it is beyond, and chunk wins."""
+    cfg = replace(CFG, ttft_slo_ms=13_000.0, itl_slo_ms=85.0, arm_evidence_z=1.0, switch_margin=0.1)
+    spread = [0.1, 10.0] * (requests // 2)
+    elastic = trial_tally(spread, [0.05] * requests, cfg)
+    chunk = trial_tally([0.8 * t for t in spread], [0.05] * requests, cfg)
+    assert AutoPolicy(cfg)._best({"tally": {"elastic": elastic, "chunk": chunk}}, "elastic") == winner
 
 
 class RecordingFleet:
