@@ -36,7 +36,10 @@ change), and the policies keep a hysteresis band of their own.
 - `auto`: per replica, measures both (a round of trials of `trial_rounds` rounds each, with the other knob at its
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
   SLOs more often by more than `arm_evidence_z` standard errors of the difference (trials' few dozen requests
-  differing by one or two is noise, not a verdict), and measures again after `exploit_rounds`. A round
+  differing by one or two is noise, not a verdict), and measures again after `exploit_rounds`, or sooner once the
+  requests arriving under the arm in force (over `window_s`) measure worse than the other arm's did in its trials,
+  the exploit phase having lasted as long as the round of trials (the traffic has changed: only a new round
+  measures both arms on the same traffic, and at most half the time goes to trials). A round
   of trials runs the arms in the order A B B A, `trial_cycles` times, A being the arm in force (for the first round
   `elastic`, whose neutral setting, the full budget, is the state an engine starts in), and pools each arm's trials:
   traffic that drifts across the round (a backlog building, a busy stretch) then weighs on both arms alike instead of
@@ -377,7 +380,8 @@ class AutoPolicy(ConfiguredPolicy):
                 state["loads"] = {a: ({"ttft": t[2] / t[1], "itl": t[4] / t[1]} if t[1] else None)
                                   for a, t in state["tally"].items()}
                 self._switch(view, state, self._best(state, arm), "exploit", now)
-        elif state["phase"] == "exploit" and len(arms) > 1 and state["arm_rounds"] >= cfg.exploit_rounds:
+        elif state["phase"] == "exploit" and len(arms) > 1 and (
+                state["arm_rounds"] >= cfg.exploit_rounds or self._fell_behind(view, state, now)):
             self._start_trials(state, arm, arms, now)
         neutral = self._neutral(view, state)
         in_force = None if neutral or state["arm"] != "chunk" else view.stats.max_num_batched_tokens
@@ -411,21 +415,37 @@ class AutoPolicy(ConfiguredPolicy):
         self._enter(state, arm, phase, now)
 
     def _best(self, state: dict, in_force: str) -> str:
-        """The arm in force, unless another measured better over the round of trials (each with at least
-        `min_requests` requests): its requests met both SLOs more often by more than `arm_evidence_z` standard
-        errors of the difference, or, where no difference in attainment shows, ran further from one SLO and not
-        closer to the other (`slo_distance_compared`: so noise between two equally good arms changes nothing)."""
-        cfg = self.cfg
-        tally = {a: t for a, t in state["tally"].items() if t[1] >= cfg.min_requests}
+        """The arm in force, unless another measured better (`_better`) over the round of trials, each with at least
+        `min_requests` requests: noise between two equally good arms changes nothing."""
+        tally = {a: t for a, t in state["tally"].items() if t[1] >= self.cfg.min_requests}
         best = in_force
         for arm, theirs in tally.items():
             mine = tally.get(best)
-            if arm == best or mine is None:
-                continue
-            met = attainment_compared(mine, theirs, cfg.arm_evidence_z)
-            if met == 1 or not met and slo_distance_compared(mine, theirs, cfg) == 1:
+            if arm != best and mine is not None and self._better(mine, theirs):
                 best = arm
         return best
+
+    def _fell_behind(self, view: ReplicaView, state: dict, now: float) -> bool:
+        """Whether the requests that arrived under the arm in force over the last `window_s` of its exploit phase
+        measured worse than another arm's in the round of trials that chose it (as `_best` ranks them), once the
+        phase has lasted as long as that round (so at most half the time goes to trials): the traffic has changed
+        since, and only a new round measures both arms on the same traffic."""
+        cfg = self.cfg
+        if state["arm_rounds"] < len(state["order"]) * cfg.trial_rounds:
+            return False
+        window = view.arrived_within([[max(state["entered_at"], now - cfg.window_s), None]])
+        met, n, _ = window.totals(cfg)
+        mine = (met, n, *window.slo_moments(cfg))
+        return n >= cfg.min_requests and any(
+            self._better(mine, theirs) for arm, theirs in state["tally"].items()
+            if arm != state["arm"] and theirs[1] >= cfg.min_requests)
+
+    def _better(self, mine: tuple, theirs: tuple) -> bool:
+        """Whether tally `theirs` measured better than `mine`: its requests met both SLOs more often by more than
+        `arm_evidence_z` standard errors, or, with no difference in attainment, ran further from one SLO and no
+        closer to the other (`slo_distance_compared`)."""
+        met = attainment_compared(mine, theirs, self.cfg.arm_evidence_z)
+        return met == 1 or not met and slo_distance_compared(mine, theirs, self.cfg) == 1
 
     @staticmethod
     def _enter(state: dict, arm: str, phase: str, now: float) -> None:

@@ -386,6 +386,29 @@ def test_auto_takes_no_verdict_from_an_attainment_gap_within_the_noise(chunk_met
     assert auto._best(state, "elastic") == "elastic"
 
 
+@pytest.mark.parametrize("exploit_ttft_ms, retrial_round", [(20.0, 30), (60.0, 12)])
+def test_auto_measures_again_early_once_the_arm_in_force_falls_behind_the_other_arms_trials(exploit_ttft_ms,
+                                                                                         retrial_round):
+    """Both arms met the SLOs alike in their trials (TTFT 20 ms of 100), elastic stayed. While its requests keep
+    that, the next round of trials comes after `exploit_rounds`; once their first tokens take 60 ms (the load grew)
+    they measure worse than chunk's trials did, and a new round starts as soon as the exploit phase has lasted as
+    long as a round of trials (4 x 3 rounds), not before."""
+    cfg = replace(CFG, exploit_rounds=30)
+    auto, now = AutoPolicy(cfg), 100.0
+    tally = trial_tally([0.02] * 12, [0.005] * 12, cfg)
+    state = {"arm": "elastic", "phase": "exploit", "arm_rounds": 0, "entered_at": now,
+             "order": ["elastic", "chunk", "chunk", "elastic"], "tally": {"elastic": tally, "chunk": tally},
+             "scores": {}, "loads": {}, "slots": [], "tallied_at": now}
+    for rounds in range(1, cfg.exploit_rounds + 1):
+        now += 1.0
+        auto.decide(view([exploit_ttft_ms] * 3, itl_ms=[5.0] * 3, at=now - 0.1, budget=1024, elastic_mode="off"),
+                    state, now)
+        if state["phase"] != "exploit":
+            break
+    assert rounds == retrial_round and state["phase"] == "trial" and state["arm"] == "elastic"
+    assert state["order"] == ["elastic", "chunk", "chunk", "elastic"] and state["tally"] == {}
+
+
 def trial_tally(ttft_s: list[float], itl_s: list[float], cfg: ControllerConfig) -> tuple:
     window = Window(ttft_s, itl_s, [32] * len(ttft_s))
     met, n, _ = window.totals(cfg)
