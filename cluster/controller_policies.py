@@ -186,9 +186,7 @@ def slo_distance_compared(mine: tuple, theirs: tuple, cfg: ControllerConfig) -> 
     """How far from the SLOs the requests of evidence `theirs` (met, requests, then `Window.slo_moments`) ran
     against those of `mine`, each SLO on its own: 1 further from one (the mean of latency / SLO lower by more than
     `switch_margin` of `mine`'s and by more than `arm_evidence_z` standard errors of the difference) and not closer to
-    the other (higher by as much), -1 the reverse, 0 neither. Each SLO on its own, because a backlog shows first in
-    TTFT while the inter-token latency of the decodes beside it stays where it was: the larger of the two ratios
-    per request would hide it for as long as the ITL ratio is the larger."""
+    the other (higher by as much), -1 the reverse, 0 neither (why each SLO on its own: the module's `auto`)."""
     def moved(k: int) -> int:
         (n_a, s_a, q_a), (n_b, s_b, q_b) = (mine[1], mine[k], mine[k + 1]), (theirs[1], theirs[k], theirs[k + 1])
         mean_a, mean_b = s_a / n_a, s_b / n_b
