@@ -37,8 +37,9 @@ change), and the policies keep a hysteresis band of their own.
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
   SLOs more often by more than `arm_evidence_z` standard errors of the difference (trials' few dozen requests
   differing by one or two is noise, not a verdict), and measures again after `exploit_rounds`, or sooner once the
-  requests arriving under the arm in force (over `window_s`) measure worse than the other arm's did in its trials,
-  the exploit phase having lasted as long as the round of trials (the traffic has changed: only a new round
+  requests arriving under the arm in force (over `window_s`) measure worse than the other arm's did in its trials
+  (by `retrial_z` standard errors: that check repeats every round), the exploit phase having lasted as long as the
+  round of trials (the traffic has changed: only a new round
   measures both arms on the same traffic, and at most half the time goes to trials). A round
   of trials runs the arms in the order A B B A, `trial_cycles` times, A being the arm in force (for the first round
   `elastic`, whose neutral setting, the full budget, is the state an engine starts in), and pools each arm's trials:
@@ -87,6 +88,8 @@ class ControllerConfig:
     evidence_z: float = 0.5             # chunk's budgets: one is worse than another when its requests met the
                                         # SLOs less often by more than this many standard errors of the difference
     arm_evidence_z: float = 1.0         # auto's arms, likewise, and for how far from each SLO their requests ran
+    retrial_z: float = 2.0              # auto: likewise, for the arm in force falling behind the other's trials
+                                        # (stricter: that check repeats every round of the exploit phase)
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put
     trial_rounds: int = 6               # auto: rounds of one trial (each arm has two in each A B B A cycle)
@@ -182,20 +185,20 @@ def attainment_compared(mine: tuple, theirs: tuple, z: float) -> Optional[int]:
     return 1 if diff > z * se else -1 if diff < -z * se else 0
 
 
-def slo_distance_compared(mine: tuple, theirs: tuple, cfg: ControllerConfig) -> int:
+def slo_distance_compared(mine: tuple, theirs: tuple, margin: float, z: float) -> int:
     """How far from the SLOs the requests of evidence `theirs` (met, requests, then `Window.slo_moments`) ran
     against those of `mine`, each SLO on its own: 1 further from one (the mean of latency / SLO lower by more than
-    `switch_margin` of `mine`'s and by more than `arm_evidence_z` standard errors of the difference) and not closer to
-    the other (higher by as much), -1 the reverse, 0 neither (why each SLO on its own: the module's `auto`)."""
+    `margin` of `mine`'s and by more than `z` standard errors of the difference) and not closer to the other
+    (higher by as much), -1 the reverse, 0 neither (why each SLO on its own: the module's `auto`)."""
     def moved(k: int) -> int:
         (n_a, s_a, q_a), (n_b, s_b, q_b) = (mine[1], mine[k], mine[k + 1]), (theirs[1], theirs[k], theirs[k + 1])
         mean_a, mean_b = s_a / n_a, s_b / n_b
         var_a = max(0.0, q_a / n_a - mean_a * mean_a) * n_a / max(1, n_a - 1)
         var_b = max(0.0, q_b / n_b - mean_b * mean_b) * n_b / max(1, n_b - 1)
-        beyond = abs(mean_b - mean_a) > cfg.arm_evidence_z * math.sqrt(var_a / n_a + var_b / n_b)
-        if beyond and mean_b < (1.0 - cfg.switch_margin) * mean_a:
+        beyond = abs(mean_b - mean_a) > z * math.sqrt(var_a / n_a + var_b / n_b)
+        if beyond and mean_b < (1.0 - margin) * mean_a:
             return 1
-        if beyond and mean_b > (1.0 + cfg.switch_margin) * mean_a:
+        if beyond and mean_b > (1.0 + margin) * mean_a:
             return -1
         return 0
     verdicts = {moved(2), moved(4)}
@@ -419,15 +422,15 @@ class AutoPolicy(ConfiguredPolicy):
         best = in_force
         for arm, theirs in tally.items():
             mine = tally.get(best)
-            if arm != best and mine is not None and self._better(mine, theirs):
+            if arm != best and mine is not None and self._better(mine, theirs, self.cfg.arm_evidence_z):
                 best = arm
         return best
 
     def _fell_behind(self, view: ReplicaView, state: dict, now: float) -> bool:
         """Whether the requests that arrived under the arm in force over the last `window_s` of its exploit phase
-        measured worse than another arm's in the round of trials that chose it (as `_best` ranks them), once the
-        phase has lasted as long as that round (so at most half the time goes to trials): the traffic has changed
-        since, and only a new round measures both arms on the same traffic."""
+        measured worse than another arm's in the round of trials that chose it (as `_best` ranks them, by
+        `retrial_z` standard errors), once the phase has lasted as long as that round (so at most half the time goes
+        to trials): the traffic has changed since, and only a new round measures both arms on the same traffic."""
         cfg = self.cfg
         if state["arm_rounds"] < len(state["order"]) * cfg.trial_rounds:
             return False
@@ -435,15 +438,15 @@ class AutoPolicy(ConfiguredPolicy):
         met, n, _ = window.totals(cfg)
         mine = (met, n, *window.slo_moments(cfg))
         return n >= cfg.min_requests and any(
-            self._better(mine, theirs) for arm, theirs in state["tally"].items()
+            self._better(mine, theirs, cfg.retrial_z) for arm, theirs in state["tally"].items()
             if arm != state["arm"] and theirs[1] >= cfg.min_requests)
 
-    def _better(self, mine: tuple, theirs: tuple) -> bool:
+    def _better(self, mine: tuple, theirs: tuple, z: float) -> bool:
         """Whether tally `theirs` measured better than `mine`: its requests met both SLOs more often by more than
-        `arm_evidence_z` standard errors, or, with no difference in attainment, ran further from one SLO and no
-        closer to the other (`slo_distance_compared`)."""
-        met = attainment_compared(mine, theirs, self.cfg.arm_evidence_z)
-        return met == 1 or not met and slo_distance_compared(mine, theirs, self.cfg) == 1
+        `z` standard errors, or, with no difference in attainment, ran further from one SLO and no closer to the
+        other (`slo_distance_compared`, by `switch_margin` and `z` standard errors)."""
+        met = attainment_compared(mine, theirs, z)
+        return met == 1 or not met and slo_distance_compared(mine, theirs, self.cfg.switch_margin, z) == 1
 
     @staticmethod
     def _enter(state: dict, arm: str, phase: str, now: float) -> None:

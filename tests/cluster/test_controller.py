@@ -386,14 +386,16 @@ def test_auto_takes_no_verdict_from_an_attainment_gap_within_the_noise(chunk_met
     assert auto._best(state, "elastic") == "elastic"
 
 
-@pytest.mark.parametrize("exploit_ttft_ms, retrial_round", [(20.0, 30), (60.0, 12)])
+@pytest.mark.parametrize("exploit_ttft_ms, retrial_z, retrial_round", [
+    ([20.0] * 4, 2.0, 30), ([60.0] * 4, 2.0, 12), ([14.0, 46.0] * 2, 1.0, 12), ([14.0, 46.0] * 2, 2.0, 30)])
 def test_auto_measures_again_early_once_the_arm_in_force_falls_behind_the_other_arms_trials(exploit_ttft_ms,
-                                                                                         retrial_round):
+                                                                                         retrial_z, retrial_round):
     """Both arms met the SLOs alike in their trials (TTFT 20 ms of 100), elastic stayed. While its requests keep
     that, the next round of trials comes after `exploit_rounds`; once their first tokens take 60 ms (the load grew)
     they measure worse than chunk's trials did, and a new round starts as soon as the exploit phase has lasted as
-    long as a round of trials (4 x 3 rounds), not before."""
-    cfg = replace(CFG, exploit_rounds=30)
+    long as a round of trials (4 x 3 rounds), not before. First tokens of 14 and 46 ms (30 on average, widely
+    spread) fall behind by about one standard error: beyond a `retrial_z` of 1, within one of 2."""
+    cfg = replace(CFG, exploit_rounds=30, retrial_z=retrial_z)
     auto, now = AutoPolicy(cfg), 100.0
     tally = trial_tally([0.02] * 12, [0.005] * 12, cfg)
     state = {"arm": "elastic", "phase": "exploit", "arm_rounds": 0, "entered_at": now,
@@ -401,7 +403,7 @@ def test_auto_measures_again_early_once_the_arm_in_force_falls_behind_the_other_
              "scores": {}, "loads": {}, "slots": [], "tallied_at": now}
     for rounds in range(1, cfg.exploit_rounds + 1):
         now += 1.0
-        auto.decide(view([exploit_ttft_ms] * 3, itl_ms=[5.0] * 3, at=now - 0.1, budget=1024, elastic_mode="off"),
+        auto.decide(view(exploit_ttft_ms, itl_ms=[5.0] * 4, at=now - 0.1, budget=1024, elastic_mode="off"),
                     state, now)
         if state["phase"] != "exploit":
             break
@@ -513,7 +515,8 @@ def test_chunk_policy_on_real_engines_lowers_the_budget_for_kv_unless_advisory(t
     llm = LLM(model=tiny, max_num_seqs=8, max_num_batched_tokens=512, num_kv_blocks=100, max_model_len=512,
               enable_prefix_caching=False)
     engine = llm.engine
-    cfg = replace(CFG, ttft_slo_ms=60_000.0, advisory=advisory)          # every first token is within it
+    cfg = replace(CFG, ttft_slo_ms=60_000.0, itl_slo_ms=60_000.0, advisory=advisory)   # every request within
+                                                                    # them, however busy the machine: KV decides
     ctl = Controller(LocalFleet([engine]), cfg)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt_tokens = engine.block_manager.block_size * 30
