@@ -323,14 +323,17 @@ def result_runs(result: dict) -> dict[str, list[dict]]:
 
 def plot(result: dict, path: str) -> None:
     """The figure docs/controller.md shows, from a result JSON: each policy's TTFT distribution, its goodput and
-    decode throughput, and the step budget each controller policy set over the trace."""
+    decode throughput, the step budget each controller policy set over the trace, and (runs that kept `rounds`)
+    the prompts waiting at each round: where a backlog began."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     repeats = result_runs(result)
     runs = {name: rs[0] for name, rs in repeats.items()}        # distributions and budgets: the first repeat's
     color = {name: f"C{i}" for i, name in enumerate(runs)}
-    fig, (cdf, bars, budget) = plt.subplots(1, 3, figsize=(15, 4.6))
+    queued = {name: r for name, r in runs.items() if r.get("rounds")}
+    fig, axes = plt.subplots(1, 3 + bool(queued), figsize=(15 + 5 * bool(queued), 4.6))
+    cdf, bars, budget = axes[:3]
     for name, r in runs.items():
         ttft = sorted(t for t, _ in r["request_latencies_s"])
         cdf.step(ttft, np.arange(1, len(ttft) + 1) / r["requests"], where="post", label=name, color=color[name])
@@ -371,6 +374,15 @@ def plot(result: dict, path: str) -> None:
     budget.set(yscale="log", xlabel="time into the trace (s)", ylabel="max_num_batched_tokens",
                title="budget set by the controller (^: lending on)")
     budget.legend(fontsize=8)
+    if queued:
+        queue = axes[3]
+        for name, r in queued.items():
+            t, waiting = (r["rounds_columns"].index(c) for c in ("t_s", "waiting"))
+            queue.plot([x[t] for x in r["rounds"]], [x[waiting] for x in r["rounds"]], label=name, color=color[name])
+        if learn_s:
+            queue.axvline(learn_s, color="grey", ls=":")
+        queue.set(xlabel="time into the trace (s)", ylabel="requests waiting", title="queue at each round")
+        queue.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
