@@ -39,12 +39,11 @@ change), and the policies keep a hysteresis band of their own.
   differing by one or two is noise, not a verdict), and measures again after `exploit_rounds`, or sooner once the
   requests arriving under the arm in force (over `window_s`) measure worse than the other arm's did in its trials
   (by `retrial_z` standard errors: that check repeats every round), the exploit phase having lasted as long as the
-  round of trials (the traffic has changed: only a new round
-  measures both arms on the same traffic, and at most half the time goes to trials). A round
-  of trials runs the arms in the order A B B A, `trial_cycles` times, A being the arm in force (for the first round
-  `elastic`, whose neutral setting, the full budget, is the state an engine starts in), and pools each arm's trials:
-  traffic that drifts across the round (a backlog building, a busy stretch) then weighs on both arms alike instead of
-  favouring whichever ran first or in the quiet part. A request counts for the arm in force when it arrived, whenever
+  round of trials (the traffic has changed: only a new round measures both arms on the same traffic, and at most
+  half the time goes to trials). A round of trials runs the arms in the order A B B A, `trial_cycles` times, A being
+  the arm in force (for the first round `elastic`, whose neutral setting, the full budget, is the state an engine
+  starts in), and pools each arm's trials: traffic that drifts across the round (a backlog building, a busy stretch)
+  then weighs on both arms alike instead of favouring whichever ran first or in the quiet part. A request counts for the arm in force when it arrived, whenever
   it finishes (each request once, at the first trial's end that sees it finished): its wait and first token were set
   by that arm, and judging only those that finished within their trial would keep mostly the short ones. A replica's
   first round of trials waits `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and
@@ -69,7 +68,7 @@ from replicas.stats import EngineStats
 
 POLICIES = ("static", "chunk", "elastic", "auto")
 ARMS = ("elastic", "chunk")          # the first round of trials, in this order
-TALLY_LEN = 6                        # an arm's trial tally: met, requests, then Window.slo_moments
+TALLY_LEN = 6                        # an arm's trial tally: Window.arm_tally
 
 
 @dataclass(frozen=True)
@@ -131,13 +130,14 @@ class Window:
         load = sum(max(t * 1e3 / cfg.ttft_slo_ms, i * 1e3 / cfg.itl_slo_ms) for t, i in zip(self.ttft_s, self.itl_s))
         return met, len(self.ttft_s), load
 
-    def slo_moments(self, cfg: ControllerConfig) -> tuple[float, float, float, float]:
-        """Sums of TTFT / TTFT SLO and of its square, then of inter-token latency / ITL SLO and of its square, over
-        the requests: totals that add up across windows, from which `slo_distance_compared` takes means and their
-        standard errors."""
+    def arm_tally(self, cfg: ControllerConfig) -> tuple[int, int, float, float, float, float]:
+        """`auto`'s evidence for an arm: how many requests met both SLOs, how many there are, then the sums of TTFT /
+        TTFT SLO and of its square and of inter-token latency / ITL SLO and of its square. Totals that add up across
+        windows, from which `slo_distance_compared` takes means and their standard errors."""
         ttft = [t * 1e3 / cfg.ttft_slo_ms for t in self.ttft_s]
         itl = [i * 1e3 / cfg.itl_slo_ms for i in self.itl_s]
-        return sum(ttft), sum(x * x for x in ttft), sum(itl), sum(x * x for x in itl)
+        met = sum(1 for t, i in zip(ttft, itl) if t <= 1.0 and i <= 1.0)
+        return met, len(ttft), sum(ttft), sum(x * x for x in ttft), sum(itl), sum(x * x for x in itl)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -186,7 +186,7 @@ def attainment_compared(mine: tuple, theirs: tuple, z: float) -> Optional[int]:
 
 
 def slo_distance_compared(mine: tuple, theirs: tuple, margin: float, z: float) -> int:
-    """How far from the SLOs the requests of evidence `theirs` (met, requests, then `Window.slo_moments`) ran
+    """How far from the SLOs the requests of evidence `theirs` (`Window.arm_tally`) ran
     against those of `mine`, each SLO on its own: 1 further from one (the mean of latency / SLO lower by more than
     `margin` of `mine`'s and by more than `z` standard errors of the difference) and not closer to the other
     (higher by as much), -1 the reverse, 0 neither (why each SLO on its own: the module's `auto`)."""
@@ -400,13 +400,12 @@ class AutoPolicy(ConfiguredPolicy):
 
     def _tally(self, view: ReplicaView, state: dict, now: float) -> None:
         """Credit each arm with the requests that arrived in its trials and finished since the last tally (so each
-        request once, whenever it finishes): how many met both SLOs, how many, and `Window.slo_moments`."""
+        request once, whenever it finishes): `Window.arm_tally`."""
         for arm in dict.fromkeys(a for _, _, a in state["slots"]):
             spans = [[start, end] for start, end, a in state["slots"] if a == arm]
             done = view.arrived_within(spans, finished_after=state["tallied_at"])
-            met, n, _ = done.totals(self.cfg)
             state["tally"][arm] = tuple(x + y for x, y in zip(state["tally"].get(arm, (0,) * TALLY_LEN),
-                                                              (met, n, *done.slo_moments(self.cfg))))
+                                                              done.arm_tally(self.cfg)))
         state["tallied_at"] = now
 
     def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:
@@ -434,10 +433,8 @@ class AutoPolicy(ConfiguredPolicy):
         cfg = self.cfg
         if state["arm_rounds"] < len(state["order"]) * cfg.trial_rounds:
             return False
-        window = view.arrived_within([[max(state["entered_at"], now - cfg.window_s), None]])
-        met, n, _ = window.totals(cfg)
-        mine = (met, n, *window.slo_moments(cfg))
-        return n >= cfg.min_requests and any(
+        mine = view.arrived_within([[max(state["entered_at"], now - cfg.window_s), None]]).arm_tally(cfg)
+        return mine[1] >= cfg.min_requests and any(
             self._better(mine, theirs, cfg.retrial_z) for arm, theirs in state["tally"].items()
             if arm != state["arm"] and theirs[1] >= cfg.min_requests)
 

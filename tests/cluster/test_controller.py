@@ -387,9 +387,7 @@ def test_auto_takes_no_verdict_from_an_attainment_gap_within_the_noise(chunk_met
 
 
 def trial_tally(ttft_s: list[float], itl_s: list[float], cfg: ControllerConfig) -> tuple:
-    window = Window(ttft_s, itl_s, [32] * len(ttft_s))
-    met, n, _ = window.totals(cfg)
-    return (met, n, *window.slo_moments(cfg))
+    return Window(ttft_s, itl_s, [32] * len(ttft_s)).arm_tally(cfg)
 
 
 @pytest.mark.parametrize("exploit_ttft_ms, retrial_z, retrial_round", [
