@@ -36,7 +36,7 @@ change), and the policies keep a hysteresis band of their own.
 - `auto`: per replica, measures both (a round of trials of `trial_rounds` rounds each, with the other knob at its
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
   SLOs more often by more than `arm_evidence_z` standard errors of the difference (trials' few dozen requests
-  differing by one or two is noise, not a verdict), and measures again after `exploit_rounds`, or sooner once the
+  differing by two or three, long prompts a little past the ITL SLO, is noise, not a verdict), and measures again after `exploit_rounds`, or sooner once the
   requests arriving under the arm in force (over `window_s`) measure worse than the other arm's did in its trials
   (by `retrial_z` standard errors: that check repeats every round), the exploit phase having lasted as long as the
   round of trials (the traffic has changed: only a new round measures both arms on the same traffic, and at most
@@ -86,8 +86,9 @@ class ControllerConfig:
     remember_s: float = 300.0           # chunk: how long a budget's requests count as evidence for it
     evidence_z: float = 0.5             # chunk's budgets: one is worse than another when its requests met the
                                         # SLOs less often by more than this many standard errors of the difference
-    arm_evidence_z: float = 1.0         # auto's arms, likewise, and for how far from each SLO their requests ran
-    retrial_z: float = 2.0              # auto: likewise, for the arm in force falling behind the other's trials
+    arm_evidence_z: float = 2.0         # auto's arms, likewise, and for how far from each SLO their requests ran
+                                        # (a verdict stands for `exploit_rounds`: the usual 95% two-sided level)
+    retrial_z: float = 3.0              # auto: likewise, for the arm in force falling behind the other's trials
                                         # (stricter: that check repeats every round of the exploit phase)
     headroom: float = 0.5               # chunk lowers the budget only while p90 TTFT < headroom x SLO
     cooldown_rounds: int = 2            # rounds after a change during which a replica's knobs stay put

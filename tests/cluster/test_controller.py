@@ -258,7 +258,7 @@ def test_auto_judges_the_knob_not_the_traffic_drifting_under_it():
     auto, state, now = AutoPolicy(CFG), {}, 100.0
     while state.get("phase") != "exploit":
         ttft = 10.0 + 20.0 * len(state.get("slots", [])) + (10.0 if state.get("arm", "elastic") == "elastic" else 0.0)
-        auto.decide(view([ttft] * 12, itl_ms=[1.0] * 12, at=now - 0.5, budget=1024, elastic_mode="off"), state, now)
+        auto.decide(view([ttft] * 24, itl_ms=[1.0] * 24, at=now - 0.5, budget=1024, elastic_mode="off"), state, now)
         now += 1.0
     assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
     assert {a: x["ttft"] for a, x in state["loads"].items()} == pytest.approx({"elastic": 0.5, "chunk": 0.4})
@@ -429,6 +429,23 @@ def test_auto_sees_a_backlog_in_ttft_that_the_binding_itl_slo_hides(chunk_itl_s,
     # every request met both; the larger of its two ratios is ITL's, whose mean (the old SLO load) favours elastic
     assert elastic[:2] == (86, 86) and chunk[:2] == (76, 76) and (0.4 + 0.07 * 85) / 13.0 < 0.0555 / 0.085
     assert elastic[4] / 86 < chunk[4] / 76
+
+
+@pytest.mark.parametrize("arm_evidence_z, winner", [(1.0, "elastic"), (ControllerConfig.arm_evidence_z, "chunk")])
+def test_auto_takes_no_verdict_from_a_few_long_prompts_just_past_the_itl_slo(arm_evidence_z, winner):
+    """The trials of a seed-experiment run on the GPU, in shape: each arm 50 requests, every elastic one met both
+    SLOs, three of chunk's (long prompts) missed the ITL SLO by 3-14%; chunk's first tokens ran about 35% further
+    from the TTFT SLO (elastic's full budget was building a backlog) and its inter-token latency within
+    `switch_margin` of elastic's. Three misses of 50 are 1.8 standard errors of the difference: at one standard
+    error they decide for elastic, whose backlog then outgrew the trace; at the default, no verdict, and the backlog
+    in the first tokens decides for chunk."""
+    cfg = replace(CFG, ttft_slo_ms=13_000.0, itl_slo_ms=85.0, arm_evidence_z=arm_evidence_z, switch_margin=0.1)
+    elastic = trial_tally([0.2 + 0.031 * k for k in range(50)], [0.036 + 0.0004 * k for k in range(50)], cfg)
+    chunk = trial_tally([0.15 + 0.019 * k for k in range(50)],
+                        [0.038 + 0.0004 * k for k in range(47)] + [0.0875, 0.088, 0.097], cfg)
+    assert elastic[:2] == (50, 50) and chunk[:2] == (47, 50)
+    assert 0.6 < (chunk[2] / 50) / (elastic[2] / 50) < 0.7 and 1.0 < (chunk[4] / 50) / (elastic[4] / 50) < 1.1
+    assert AutoPolicy(cfg)._best({"tally": {"elastic": elastic, "chunk": chunk}}, "elastic") == winner
 
 
 @pytest.mark.parametrize("requests, winner", [(8, "elastic"), (80, "chunk")])
