@@ -157,7 +157,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
     kinds = {a.request_id: a.kind for a in trace}
     counted = {a.request_id for a in trace if a.at_s >= args.learn_s}
     before = engine.get_stats()
-    timings, decisions, budgets, kv_usage, auto_timeline, rounds = [], [], [], [], [], []
+    timings, decisions, budgets, kv_usage, auto_timeline, auto_choices, rounds = [], [], [], [], [], [], []
     start = time.monotonic()
     next_tick, i = start + args.interval_s, 0
     while True:
@@ -180,6 +180,9 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
                               for ds in decided.values() for d in ds]
                 arm_phase = [fleet.state.get("arm"), fleet.state.get("phase")]
                 if policy == "auto" and (not auto_timeline or auto_timeline[-1][1:] != arm_phase):
+                    if arm_phase[1] == "exploit" and auto_timeline and auto_timeline[-1][2] == "trial":
+                        auto_choices.append({"t_s": round(now - start, 2), "arm": arm_phase[0],
+                                             **{k: fleet.state.get(k) for k in ("scores", "loads")}})
                     auto_timeline.append([round(now - start, 2), *arm_phase])
             next_tick = now + args.interval_s
         if now - start > args.learn_s + args.duration_s + args.drain_s:
@@ -233,6 +236,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
             "decisions": decisions,
             "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores", "loads")} if policy == "auto"
             else None, "auto_timeline": auto_timeline if policy == "auto" else None,   # [t, arm, phase] on change
+            "auto_choices": auto_choices if policy == "auto" else None,       # each round of trials' verdict
             "chunk_evidence": ChunkPolicy.evidence_report(fleet.state) if policy in ("chunk", "auto") else None,
             "rounds": rounds, "rounds_columns": ROUND_COLUMNS,
             "wall_s": round(wall, 1)}
@@ -310,7 +314,7 @@ def summarize(rows: dict[str, list[dict]], engine: LLMEngine, args) -> dict:
         best_cold = max(out["policies"][p]["goodput_cold"] for p in statics)
         auto_cold = out["policies"]["auto"]["goodput_cold"]
         out["auto_goodput_cold_vs_best_static"] = round(auto_cold / max(best_cold, 1e-9), 4)
-        out["auto_chose"] = [r["auto_state"] for r in rows["auto"]]
+        out["auto_chose"] = [r.get("auto_choices") or [r["auto_state"]] for r in rows["auto"]]   # per run
     out["repeats"] = min((len(runs) for runs in rows.values()), default=0)
     out["runs"] = rows
     return out
