@@ -24,13 +24,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 
 import torch
 
+from bench.provenance import source
 from replicas import LLM, SamplingParams
 from replicas.kernels import quant_cpu
 
@@ -77,11 +77,9 @@ def perplexity(llm: LLM, ids: list[int], kernel_rows: bool) -> float:
 
 
 def provenance(argv: list[str]) -> dict:
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    code = source()
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": git("rev-parse", "--short", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "commit": code["commit"], "dirty": code["tree_dirty"],
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__} "
                        f"({torch.backends.cpu.get_cpu_capability()}), load average {os.getloadavg()[0]:.1f} at start",
             "command": "python -m bench.cpu_decode " + " ".join(argv), "seed": 0}

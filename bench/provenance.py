@@ -26,9 +26,19 @@ def machine(device: str) -> str:
     return host
 
 
+def source() -> dict:
+    """Which commit the code is: `TIDAL_COMMIT` where the one who ran it says so (a working tree copied to another
+    machine, whose own .git may be an older commit's; whether that tree differed is then theirs to say, null here),
+    else git's HEAD and whether the tracked files differ from it."""
+    given = os.environ.get("TIDAL_COMMIT")
+    if given:
+        return {"commit": given, "tree_dirty": None}
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def provenance(module: str, argv: list[str], device: str, seed: int, **extra) -> dict:
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git("rev-parse", "--short", "HEAD"),
-            "tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")), "machine": machine(device),
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), **source(), "machine": machine(device),
             "command": " ".join([f"python -m {module}", *argv]), "seed": seed, **extra}
 
 
