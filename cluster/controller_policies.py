@@ -36,27 +36,28 @@ change), and the policies keep a hysteresis band of their own.
 - `auto`: per replica, measures both (a round of trials of `trial_rounds` rounds each, with the other knob at its
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
   SLOs more often by more than `arm_evidence_z` standard errors of the difference (trials' few dozen requests
-  differing by two or three, long prompts a little past the ITL SLO, is noise, not a verdict), and measures again after `exploit_rounds`, or sooner once the
-  requests arriving under the arm in force (over `window_s`) measure worse than the other arm's did in its trials
-  (by `retrial_z` standard errors: that check repeats every round), the exploit phase having lasted as long as the
-  round of trials (the traffic has changed: only a new round measures both arms on the same traffic, and at most
-  half the time goes to trials). A round of trials runs the arms in the order A B B A, `trial_cycles` times, A being
-  the arm in force (for the first round `elastic`, whose neutral setting, the full budget, is the state an engine
-  starts in), and pools each arm's trials: traffic that drifts across the round (a backlog building, a busy stretch)
-  then weighs on both arms alike instead of favouring whichever ran first or in the quiet part. A request counts for the arm in force when it arrived, whenever
-  it finishes (each request once, at the first trial's end that sees it finished): its wait and first token were set
-  by that arm, and judging only those that finished within their trial would keep mostly the short ones. A replica's
-  first round of trials waits `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and
-  what it serves then would favour the first arm. Where attainment shows no difference (both met the SLOs for every
-  request, the common case away from overload, or differ by less than that) the arm whose requests kept further from
-  one SLO and no closer to the other wins: its mean TTFT / TTFT SLO or mean inter-token latency / ITL SLO lower than
-  the arm in force's by more than `switch_margin` (relatively) and by more than `arm_evidence_z` standard errors, and
-  the other mean not higher by as much; otherwise the arm in force stays. Each SLO on its own, because a backlog
-  building under one arm shows in its first tokens while its decodes' inter-token latency stays put: the larger of
-  the two ratios per request would hide it for as long as the decodes ran closer to their SLO. It decides from what
-  it measured, never from a default belief about which knob pays. `chunk` re-entering resumes at the budget it left,
-  and its evidence counts only the requests that arrived while it was in force, across its trials, so its trials
-  measure its setting and carry its descent to it on.
+  differing by two or three, long prompts a little past the ITL SLO, is noise, not a verdict), and measures again
+  after `exploit_rounds`, or sooner once the requests arriving under the arm in force (over `window_s`) measure worse
+  than the other arm's did in its trials (by `retrial_z` standard errors: that check repeats every round), the exploit
+  phase having lasted as long as the round of trials (the traffic has changed: only a new round measures both arms on
+  the same traffic, and at most half the time goes to trials). A round of trials runs the arms in the order A B B A,
+  `trial_cycles` times, A being the arm in force (for the first round `elastic`, whose neutral setting, the full
+  budget, is the state an engine starts in), and pools each arm's trials: traffic that drifts across the round (a
+  backlog building, a busy stretch) then weighs on both arms alike instead of favouring whichever ran first or in the
+  quiet part. A request counts for the arm in force when it arrived, whenever it finishes (each request once, at the
+  first trial's end that sees it finished): its wait and first token were set by that arm, and judging only those that
+  finished within their trial would keep mostly the short ones. A replica's first round of trials waits `trial_rounds`
+  rounds (phase `settle`): an engine that just started is filling up, and what it serves then would favour the first
+  arm. Where attainment shows no difference (both met the SLOs for every request, the common case away from overload,
+  or differ by less than that) the arm whose requests kept further from one SLO and no closer to the other wins: its
+  mean TTFT / TTFT SLO or mean inter-token latency / ITL SLO lower than the arm in force's by more than
+  `switch_margin` (relatively) and by more than `arm_evidence_z` standard errors, and the other mean not higher by as
+  much; otherwise the arm in force stays. Each SLO on its own, because a backlog building under one arm shows in its
+  first tokens while its decodes' inter-token latency stays put: the larger of the two ratios per request would hide
+  it for as long as the decodes ran closer to their SLO. It decides from what it measured, never from a default belief
+  about which knob pays. `chunk` re-entering resumes at the budget it left, and its evidence counts only the requests
+  that arrived while it was in force, across its trials, so its trials measure its setting and carry its descent to it
+  on.
 """
 from __future__ import annotations
 
