@@ -127,19 +127,21 @@ class Window:
         """How many requests met both the TTFT and the inter-token SLO, how many there are, and their summed SLO
         load: per request max(TTFT / TTFT SLO, ITL / ITL SLO), how close to the SLOs it ran (below 1: within both).
         Totals, so that a policy's evidence adds up across windows."""
-        met = sum(1 for t, i in zip(self.ttft_s, self.itl_s)
-                  if t * 1e3 <= cfg.ttft_slo_ms and i * 1e3 <= cfg.itl_slo_ms)
-        load = sum(max(t * 1e3 / cfg.ttft_slo_ms, i * 1e3 / cfg.itl_slo_ms) for t, i in zip(self.ttft_s, self.itl_s))
-        return met, len(self.ttft_s), load
+        ttft, itl, met = self._over_slo(cfg)
+        return met, len(ttft), sum(max(t, i) for t, i in zip(ttft, itl))
 
     def arm_tally(self, cfg: ControllerConfig) -> tuple[int, int, float, float, float, float]:
         """`auto`'s evidence for an arm: how many requests met both SLOs, how many there are, then the sums of TTFT /
         TTFT SLO and of its square and of inter-token latency / ITL SLO and of its square. Totals that add up across
         windows, from which `slo_distance_compared` takes means and their standard errors."""
+        ttft, itl, met = self._over_slo(cfg)
+        return met, len(ttft), sum(ttft), sum(x * x for x in ttft), sum(itl), sum(x * x for x in itl)
+
+    def _over_slo(self, cfg: ControllerConfig) -> tuple[list[float], list[float], int]:
+        """Each request's TTFT / TTFT SLO and inter-token latency / ITL SLO, and how many kept both within 1."""
         ttft = [t * 1e3 / cfg.ttft_slo_ms for t in self.ttft_s]
         itl = [i * 1e3 / cfg.itl_slo_ms for i in self.itl_s]
-        met = sum(1 for t, i in zip(ttft, itl) if t <= 1.0 and i <= 1.0)
-        return met, len(ttft), sum(ttft), sum(x * x for x in ttft), sum(itl), sum(x * x for x in itl)
+        return ttft, itl, sum(1 for t, i in zip(ttft, itl) if t <= 1.0 and i <= 1.0)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -192,12 +194,14 @@ def slo_distance_compared(mine: tuple, theirs: tuple, margin: float, z: float) -
     against those of `mine`, each SLO on its own: 1 further from one (the mean of latency / SLO lower by more than
     `margin` of `mine`'s and by more than `z` standard errors of the difference) and not closer to the other
     (higher by as much), -1 the reverse, 0 neither (why each SLO on its own: the module's `auto`)."""
+    def mean_and_se2(tally: tuple, k: int) -> tuple[float, float]:      # the mean and its squared standard error
+        n, total, squares = tally[1], tally[k], tally[k + 1]
+        mean = total / n
+        return mean, max(0.0, squares / n - mean * mean) / max(1, n - 1)
+
     def moved(k: int) -> int:
-        (n_a, s_a, q_a), (n_b, s_b, q_b) = (mine[1], mine[k], mine[k + 1]), (theirs[1], theirs[k], theirs[k + 1])
-        mean_a, mean_b = s_a / n_a, s_b / n_b
-        var_a = max(0.0, q_a / n_a - mean_a * mean_a) * n_a / max(1, n_a - 1)
-        var_b = max(0.0, q_b / n_b - mean_b * mean_b) * n_b / max(1, n_b - 1)
-        beyond = abs(mean_b - mean_a) > z * math.sqrt(var_a / n_a + var_b / n_b)
+        (mean_a, se2_a), (mean_b, se2_b) = mean_and_se2(mine, k), mean_and_se2(theirs, k)
+        beyond = abs(mean_b - mean_a) > z * math.sqrt(se2_a + se2_b)
         if beyond and mean_b < (1.0 - margin) * mean_a:
             return 1
         if beyond and mean_b > (1.0 + margin) * mean_a:
