@@ -382,11 +382,14 @@ class AutoPolicy(ConfiguredPolicy):
             self._tally(view, state, now)
             if len(state["slots"]) < len(state["order"]):
                 self._switch(view, state, state["order"][len(state["slots"])], "trial", now)
-            else:
-                state["scores"] = {a: (t[0] / t[1] if t[1] else None) for a, t in state["tally"].items()}
-                state["loads"] = {a: ({"ttft": t[2] / t[1], "itl": t[4] / t[1]} if t[1] else None)
-                                  for a, t in state["tally"].items()}
-                self._switch(view, state, self._best(state, arm), "exploit", now)
+            else:                    # the arm in force stays while the last trials' requests finish
+                state.update(phase="judge", arm_rounds=0)
+        elif state["phase"] == "judge" and state["arm_rounds"] >= cfg.trial_rounds:
+            self._tally(view, state, now)
+            state["scores"] = {a: (t[0] / t[1] if t[1] else None) for a, t in state["tally"].items()}
+            state["loads"] = {a: ({"ttft": t[2] / t[1], "itl": t[4] / t[1]} if t[1] else None)
+                              for a, t in state["tally"].items()}
+            self._switch(view, state, self._best(state, arm), "exploit", now)
         elif state["phase"] == "exploit" and len(arms) > 1 and (
                 state["arm_rounds"] >= cfg.exploit_rounds or self._fell_behind(view, state, now)):
             self._start_trials(state, arm, arms, now)

@@ -226,11 +226,11 @@ def test_elastic_lends_under_kv_pressure_and_stops_under_prefill_pressure():
 def test_auto_measures_both_knobs_a_b_b_a_then_keeps_the_one_that_met_the_slo_more_often():
     """After `trial_rounds` rounds of settling (the engine's start state: elastic's neutral full budget), the elastic
     trials (first and last) see fast first tokens, the chunk trials slow ones: auto settles on elastic, having put
-    each arm's other knob at its neutral setting, and measures both again after exploit_rounds, the arm in force
-    first and last."""
+    each arm's other knob at its neutral setting, judges once the last trial's requests had a trial's length to
+    finish (the arm in force kept), and measures both again after exploit_rounds, the arm in force first and last."""
     auto, state, now = AutoPolicy(CFG), {}, 100.0
     seen = []
-    for r in range(16):
+    for r in range(16 + CFG.trial_rounds):
         slow = state.get("arm") == "chunk"
         v = view([300.0] * 3 if slow else [20.0] * 3, at=now - 0.5, budget=512, elastic_mode="elastic" if r else "off")
         seen.append((state.get("phase"), state.get("arm"), auto.decide(v, state, now)))
@@ -241,6 +241,8 @@ def test_auto_measures_both_knobs_a_b_b_a_then_keeps_the_one_that_met_the_slo_mo
     assert seen[first + 3][2] == [Decision("elastic", "off", "auto_chunk")]             # chunk trial: lending off
     arms = [arm for _, arm, _ in seen[first:]]
     assert arms[1:3] == ["elastic"] * 2 and arms[3:9] == ["chunk"] * 6 and arms[9:12] == ["elastic"] * 3
+    assert [phase for phase, _, _ in seen[first + 12:first + 15]] == ["judge"] * CFG.trial_rounds
+    assert arms[12:15] == ["elastic"] * CFG.trial_rounds
     assert state["scores"] == {"elastic": 1.0, "chunk": 0.0}
     assert state["phase"] == "exploit" and state["arm"] == "elastic"
     rounds = 0
@@ -250,6 +252,29 @@ def test_auto_measures_both_knobs_a_b_b_a_then_keeps_the_one_that_met_the_slo_mo
         assert rounds <= CFG.exploit_rounds
     assert state["arm"] == "elastic" and state["scores"] == {}
     assert state["order"] == ["elastic", "chunk", "chunk", "elastic"]
+
+
+def test_auto_judges_once_the_last_trials_slow_requests_could_finish():
+    """The misses finish last: the requests of the last (elastic) trial wait 300 ms for their first token and finish
+    3 rounds after they arrived, every other request within the round. At the last trial's end elastic's tally
+    holds only its first trial's fast requests, a tie that would keep elastic; judged a trial's length later, its
+    slow ones count and chunk, whose requests all met the SLOs, wins."""
+    auto, state, now = AutoPolicy(CFG), {}, 100.0
+    requests = []                                               # (arrived, finished, ttft s)
+    at_judge = None
+    while state.get("phase") != "exploit":
+        done = [r for r in requests if r[1] <= now]
+        v = view(budget=1024, elastic_mode="off")
+        v.recent = {"finished_at": [r[1] for r in done], "arrived_at": [r[0] for r in done],
+                    "ttft_s": [r[2] for r in done], "itl_s": [0.005] * len(done), "prompt_tokens": [32] * len(done)}
+        auto.decide(v, state, now)
+        if state["phase"] == "judge" and at_judge is None:
+            at_judge = {a: t[:2] for a, t in state["tally"].items()}
+        slow = state["phase"] == "trial" and len(state["slots"]) == len(state["order"]) - 1    # in the last trial
+        requests += [(now + 0.5, now + (3.5 if slow else 0.9), 0.3 if slow else 0.02)] * 2
+        now += 1.0
+    assert at_judge == {"elastic": (6, 6), "chunk": (12, 12)}
+    assert state["scores"] == {"elastic": 0.5, "chunk": 1.0} and state["arm"] == "chunk"
 
 
 def test_auto_judges_the_knob_not_the_traffic_drifting_under_it():
