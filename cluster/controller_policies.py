@@ -46,7 +46,9 @@ change), and the policies keep a hysteresis band of their own.
   backlog building, a busy stretch) then weighs on both arms alike instead of favouring whichever ran first or in the
   quiet part. A request counts for the arm in force when it arrived, whenever it finishes (each request once, at the
   first trial's end that sees it finished): its wait and first token were set by that arm, and judging only those that
-  finished within their trial would keep mostly the short ones. A replica's first round of trials waits `trial_rounds`
+  finished within their trial would keep mostly the short ones. For the same reason the verdict waits `trial_rounds`
+  rounds after the last trial (phase `judge`, the arm in force kept): the last trial's slow requests, the misses,
+  finish last, and a verdict at once would judge that arm by its fast ones. A replica's first round of trials waits `trial_rounds`
   rounds (phase `settle`): an engine that just started is filling up, and what it serves then would favour the first
   arm. Where attainment shows no difference (both met the SLOs for every request, the common case away from overload,
   or differ by less than that) the arm whose requests kept further from one SLO and no closer to the other wins: its
