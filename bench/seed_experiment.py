@@ -180,7 +180,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
                               for ds in decided.values() for d in ds]
                 arm_phase = [fleet.state.get("arm"), fleet.state.get("phase")]
                 if policy == "auto" and (not auto_timeline or auto_timeline[-1][1:] != arm_phase):
-                    if arm_phase[1] == "exploit" and auto_timeline and auto_timeline[-1][2] == "trial":
+                    if arm_phase[1] == "exploit" and auto_timeline and auto_timeline[-1][2] == "judge":
                         auto_choices.append({"t_s": round(now - start, 2), "arm": arm_phase[0],
                                              **{k: fleet.state.get(k) for k in ("scores", "loads")}})
                     auto_timeline.append([round(now - start, 2), *arm_phase])

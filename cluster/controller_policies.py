@@ -48,18 +48,18 @@ change), and the policies keep a hysteresis band of their own.
   first trial's end that sees it finished): its wait and first token were set by that arm, and judging only those that
   finished within their trial would keep mostly the short ones. For the same reason the verdict waits `trial_rounds`
   rounds after the last trial (phase `judge`, the arm in force kept): the last trial's slow requests, the misses,
-  finish last, and a verdict at once would judge that arm by its fast ones. A replica's first round of trials waits `trial_rounds`
-  rounds (phase `settle`): an engine that just started is filling up, and what it serves then would favour the first
-  arm. Where attainment shows no difference (both met the SLOs for every request, the common case away from overload,
-  or differ by less than that) the arm whose requests kept further from one SLO and no closer to the other wins: its
-  mean TTFT / TTFT SLO or mean inter-token latency / ITL SLO lower than the arm in force's by more than
-  `switch_margin` (relatively) and by more than `arm_evidence_z` standard errors, and the other mean not higher by as
-  much; otherwise the arm in force stays. Each SLO on its own, because a backlog building under one arm shows in its
-  first tokens while its decodes' inter-token latency stays put: the larger of the two ratios per request would hide
-  it for as long as the decodes ran closer to their SLO. It decides from what it measured, never from a default belief
-  about which knob pays. `chunk` re-entering resumes at the budget it left, and its evidence counts only the requests
-  that arrived while it was in force, across its trials, so its trials measure its setting and carry its descent to it
-  on.
+  finish last, and a verdict at once would judge that arm by its fast ones. A replica's first round of trials waits
+  `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and what it serves then would
+  favour the first arm. Where attainment shows no difference (both met the SLOs for every request, the common case
+  away from overload, or differ by less than that) the arm whose requests kept further from one SLO and no closer to
+  the other wins: its mean TTFT / TTFT SLO or mean inter-token latency / ITL SLO lower than the arm in force's by more
+  than `switch_margin` (relatively) and by more than `arm_evidence_z` standard errors, and the other mean not higher
+  by as much; otherwise the arm in force stays. Each SLO on its own, because a backlog building under one arm shows in
+  its first tokens while its decodes' inter-token latency stays put: the larger of the two ratios per request would
+  hide it for as long as the decodes ran closer to their SLO. It decides from what it measured, never from a default
+  belief about which knob pays. `chunk` re-entering resumes at the budget it left, and its evidence counts only the
+  requests that arrived while it was in force, across its trials, so its trials measure its setting and carry its
+  descent to it on.
 """
 from __future__ import annotations
 
