@@ -260,18 +260,17 @@ def test_auto_judges_once_the_last_trials_slow_requests_could_finish():
     holds only its first trial's fast requests, a tie that would keep elastic; judged a trial's length later, its
     slow ones count and chunk, whose requests all met the SLOs, wins."""
     auto, state, now = AutoPolicy(CFG), {}, 100.0
-    requests = []                                               # (arrived, finished, ttft s)
+    requests = []                                               # (arrived, finished, ttft ms)
     at_judge = None
     while state.get("phase") != "exploit":
         done = [r for r in requests if r[1] <= now]
-        v = view(budget=1024, elastic_mode="off")
-        v.recent = {"finished_at": [r[1] for r in done], "arrived_at": [r[0] for r in done],
-                    "ttft_s": [r[2] for r in done], "itl_s": [0.005] * len(done), "prompt_tokens": [32] * len(done)}
+        v = view([r[2] for r in done], itl_ms=[5.0] * len(done), budget=1024, elastic_mode="off")
+        v.recent.update(arrived_at=[r[0] for r in done], finished_at=[r[1] for r in done])
         auto.decide(v, state, now)
         if state["phase"] == "judge" and at_judge is None:
             at_judge = {a: t[:2] for a, t in state["tally"].items()}
         slow = state["phase"] == "trial" and len(state["slots"]) == len(state["order"]) - 1    # in the last trial
-        requests += [(now + 0.5, now + (3.5 if slow else 0.9), 0.3 if slow else 0.02)] * 2
+        requests += [(now + 0.5, now + (3.5 if slow else 0.9), 300.0 if slow else 20.0)] * 2
         now += 1.0
     assert at_judge == {"elastic": (6, 6), "chunk": (12, 12)}
     assert state["scores"] == {"elastic": 0.5, "chunk": 1.0} and state["arm"] == "chunk"
