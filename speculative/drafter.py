@@ -230,15 +230,22 @@ class DominoHead(nn.Module):
         with torch.autocast(path_embeds.device.type, enabled=False):     # the GRU runs in its weights' dtype
             return self.gru(path_embeds.to(self.gru.weight_ih_l0.dtype))[0]
 
+    def low_rank(self, hidden: Tensor, states: Tensor) -> Tensor:
+        """SiLU(W1 [z; s]): what W2 projects onto the vocabulary."""
+        return F.silu(self.w1(torch.cat([hidden, states.to(hidden.dtype)], dim=-1)))
+
     def correction(self, hidden: Tensor, states: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(torch.cat([hidden, states.to(hidden.dtype)], dim=-1))))
+        return self.w2(self.low_rank(hidden, states))
+
+    def correction_inputs(self, hidden: Tensor, path_embeds: Tensor) -> Tensor:
+        """Teacher-forced `low_rank` for every slot, [N, S, rank], zero at the slots below `uncorrected`: slot
+        k's logits are base + W2 of it (speculative/vocab_loss.py)."""
+        u = self.uncorrected
+        return F.pad(self.low_rank(hidden[:, u:], self.path_states(path_embeds)[:, u:]), (0, 0, u, 0))
 
     def corrected_logits(self, base_logits: Tensor, hidden: Tensor, path_embeds: Tensor) -> Tensor:
         """Teacher-forced logits for every slot: [N, S, V]; slots < uncorrected keep the base logits."""
-        u = self.uncorrected
-        states = self.path_states(path_embeds)
-        corr = self.correction(hidden[:, u:], states[:, u:])
-        return torch.cat([base_logits[:, :u], base_logits[:, u:] + corr.to(base_logits.dtype)], dim=1)
+        return base_logits + self.w2(self.correction_inputs(hidden, path_embeds)).to(base_logits.dtype)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from speculative.train_checkpoint import (SHARD_BYTES, find_checkpoint, optimize
                                           read_checkpoint, read_manifest, write_checkpoint)
 from speculative.train_data import Pair, PairBatcher, TrainBatch
 from speculative.train_features import FeatureCache
+from speculative.vocab_loss import vocab_losses
 
 FEATURE_MODES = ("cached", "online")
 LOG_NAME = "train_log.jsonl"
@@ -111,10 +112,12 @@ def training_mask(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block: in
 
 
 def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tensor, embed_w: Tensor,
-                 lm_w: Tensor, gamma: float) -> dict[str, Tensor]:
-    """The weighted cross-entropies of the corrected ("final") and base logits, and without gradient `accuracy`
-    (argmax hits over the valid slots: response tokens inside the sequence) and `accept_len` (per valid anchor,
-    the slots hit before the first miss or the first slot that is not valid, so never past the response's end)."""
+                 lm_w: Tensor, gamma: float, lam=0.0) -> dict[str, Tensor]:
+    """`loss` = (1 - lam) CE(corrected) + lam CE(base), each weighted over the valid slots (the one output with a
+    gradient; lam a float or a 0-dim tensor); without gradient the two cross-entropies `final` and `base`,
+    `accuracy` (argmax hits over the valid slots: response tokens inside the sequence) and `accept_len` (per
+    valid anchor, the slots hit before the first miss or the first slot that is not valid, so never past the
+    response's end)."""
     s = drafter.cfg.block_size
     ids, anchors = batch.input_ids, batch.anchors
     (b, t), a = ids.shape, anchors.shape[1]
@@ -123,7 +126,6 @@ def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tenso
     embeds, pos = drafter.block_inputs(roots.reshape(-1), anchors.reshape(-1), embed_w)
     hidden = drafter.backbone(embeds.view(b, a * s, -1), pos.view(b, a * s), ctx,
                               training_mask(anchors, batch.anchor_valid, t, s))
-    base = hidden @ lm_w.to(hidden.dtype).t()
     offsets = torch.arange(s, device=ids.device)
     label_pos = anchors[..., None] + 1 + offsets                      # [B, A, S]
     in_seq = label_pos < t
@@ -131,20 +133,20 @@ def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tenso
     valid = in_seq & batch.loss_mask.gather(1, label_pos.clamp(max=t - 1).view(b, -1)).view(b, a, s) \
         & batch.anchor_valid[..., None]
     path = ids.gather(1, (anchors[..., None] + offsets).clamp(max=t - 1).view(b, -1))   # root + true tokens
-    final = drafter.head.corrected_logits(base.view(b * a, s, -1), hidden.view(b * a, s, -1),
-                                          embed_w[path].view(b * a, s, -1).to(hidden.dtype))
+    z = drafter.head.correction_inputs(hidden.view(b * a, s, -1), embed_w[path].view(b * a, s, -1).to(hidden.dtype))
     weight = torch.exp(-offsets.float() / gamma) * valid
-    flat = labels.reshape(-1)
-    ce_final = F.cross_entropy(final.reshape(-1, final.shape[-1]).float(), flat, reduction="none").view(b, a, s)
-    ce_base = F.cross_entropy(base.reshape(-1, base.shape[-1]).float(), flat, reduction="none").view(b, a, s)
-    norm = weight.sum().clamp(min=1e-6)
+    weight = weight / weight.sum().clamp(min=1e-6)
+    loss, ce_final, ce_base, argmax = vocab_losses(hidden.reshape(b * a * s, -1), z.reshape(b * a * s, -1), lm_w,
+                                                   drafter.head.w2.weight, labels.reshape(-1), weight.reshape(-1),
+                                                   lam)
     with torch.no_grad():
-        hit = (final.view(b, a, s, -1).argmax(-1) == labels) & valid
+        hit = (argmax.view(b, a, s) == labels) & valid
         rows = valid[..., 0]
         accept = hit.long().cumprod(-1).sum(-1).float()                 # teacher-forced chain accept length
-        out = {"accuracy": (hit.sum() / valid.sum().clamp(min=1)).float(),
-               "accept_len": (accept * rows).sum() / rows.sum().clamp(min=1)}
-    return {"final": (ce_final * weight).sum() / norm, "base": (ce_base * weight).sum() / norm, **out}
+        flat = weight.reshape(-1)
+        return {"loss": loss, "final": (ce_final * flat).sum(), "base": (ce_base * flat).sum(),
+                "accuracy": (hit.sum() / valid.sum().clamp(min=1)).float(),
+                "accept_len": (accept * rows).sum() / rows.sum().clamp(min=1)}
 
 
 def step_flops(cfg: DrafterConfig, batch: int, seq_len: int, anchors: int) -> float:
@@ -179,9 +181,9 @@ class DraftLoss(nn.Module):
         self.drafter, self.gamma = drafter, gamma
 
     def forward(self, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, anchor_valid: Tensor,
-                target_hidden: Tensor, embed_w: Tensor, lm_w: Tensor) -> dict[str, Tensor]:
+                target_hidden: Tensor, embed_w: Tensor, lm_w: Tensor, lam: Tensor) -> dict[str, Tensor]:
         return block_losses(self.drafter, TrainBatch(input_ids, loss_mask, anchors, anchor_valid), target_hidden,
-                            embed_w, lm_w, self.gamma)
+                            embed_w, lm_w, self.gamma, lam)
 
 
 class Trainer:
@@ -315,15 +317,13 @@ class Trainer:
         with self._autocast():
             hidden = self.features.gather(batch) if self.features is not None else self.target.hidden(batch.input_ids)
             losses = self.model(batch.input_ids, batch.loss_mask, batch.anchors, batch.anchor_valid, hidden,
-                                self.target.embed_weight, self.target.lm_head_weight)
-            loss = (1 - lam) * losses["final"] + lam * losses["base"]
+                                self.target.embed_weight, self.target.lm_head_weight, torch.tensor(lam))
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        losses["loss"].backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.step += 1
-        return {"loss": loss.detach(), **{k: v.detach() for k, v in losses.items()},
-                "width": batch.width, "tokens": batch.num_tokens}
+        return {**{k: v.detach() for k, v in losses.items()}, "width": batch.width, "tokens": batch.num_tokens}
 
     def train(self) -> list[dict]:
         """Train to `cfg.steps`, or until `stop_at_step` or the time budget; the last step is checkpointed.

@@ -18,18 +18,22 @@ V, BLOCK = 64, 8
 
 def counting_drafter(wrong_label=None) -> DominoDrafter:
     """A drafter whose corrected logits put the token after each path token (token i + 1) first: with an
-    identity embedding it predicts a counting sequence exactly, except where the label is `wrong_label`."""
+    identity embedding and W2 the correction is 100 at that token (-100 at `wrong_label`), far above the base
+    logits of the normed hidden states; so it predicts a counting sequence exactly, except where the label is
+    `wrong_label`."""
     cfg = DrafterConfig(vocab_size=V, hidden_size=V, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                        head_dim=16, target_layer_ids=(0,), block_size=BLOCK, gru_hidden=8, correction_rank=4)
+                        head_dim=16, target_layer_ids=(0,), block_size=BLOCK, gru_hidden=8, correction_rank=V,
+                        uncorrected_positions=0)
     torch.manual_seed(0)
     drafter = DominoDrafter(cfg)
+    drafter.head.w2.weight.data = torch.eye(V)
 
-    def corrected_logits(base, hidden, path_embeds):
-        logits = 100.0 * path_embeds.roll(1, dims=-1)
+    def correction_inputs(hidden, path_embeds):
+        z = 100.0 * path_embeds.roll(1, dims=-1)
         if wrong_label is not None:
-            logits[..., wrong_label] = -100.0
-        return logits
-    drafter.head.corrected_logits = corrected_logits
+            z[..., wrong_label] = -100.0
+        return z
+    drafter.head.correction_inputs = correction_inputs
     return drafter
 
 
