@@ -167,8 +167,12 @@ class DraftAttention(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.nh, self.hd)), positions, self.theta)
         k, v = self.kv(x, positions)
         k, v = torch.cat([ctx_k, k], 1), torch.cat([ctx_v, v], 1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask[:, None], enable_gqa=self.nh != self.nkv)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if isinstance(mask, Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.nh != self.nkv)
+        else:                                                  # a FlexAttention BlockMask (training, compiled)
+            from torch.nn.attention.flex_attention import flex_attention
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.nh != self.nkv)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.nh * self.hd))
 
 
@@ -207,7 +211,8 @@ class BlockDrafter(nn.Module):
         return DraftContext([k for k, _ in kvs], [v for _, v in kvs], valid)
 
     def forward(self, block_embeds: Tensor, positions: Tensor, ctx: DraftContext, mask: Tensor) -> Tensor:
-        """block_embeds [B, S, H] at `positions` [B, S]; mask [B, S, T+S] bool (True = may attend)."""
+        """block_embeds [B, S, H] at `positions` [B, S]; mask [B, S, T+S] bool (True = may attend), or a
+        FlexAttention BlockMask of that shape."""
         x = block_embeds
         for layer, k, v in zip(self.layers, ctx.keys, ctx.values):
             x = layer(x, positions, k, v, mask)

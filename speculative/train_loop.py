@@ -73,6 +73,8 @@ class TrainConfig:
                                            # "online": inside every step
     compile: bool = True                   # torch.compile the drafter's loss on CUDA (ignored on the CPU); every
                                            # batch is then seq_len wide, one static shape
+    sparse_attention: bool = True          # compiled: the training mask as a FlexAttention BlockMask, whose
+                                           # fully masked tiles are skipped (else SDPA over the dense mask)
     trim_loops: bool = True                # responses that end in a loop are cut after two periods as the pairs
                                            # are read (train_data.trim_loop)
     heldout_pairs: Optional[str] = None    # jsonl of held-out pairs: every log record adds their teacher-forced
@@ -111,21 +113,34 @@ def training_mask(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block: in
     return torch.cat([ctx, own], dim=2)
 
 
+def training_block_mask(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block: int):
+    """`training_mask` as a FlexAttention BlockMask: the attention skips the tiles it masks whole (most of the
+    blocks-to-blocks square, and the context after a tile's last anchor)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    b, a = anchors.shape
+
+    def visible(bi, head, q, kv):
+        blk = q // block
+        return ((kv < ctx_len) & (kv < anchors[bi, blk]) & anchor_valid[bi, blk]) \
+            | ((kv >= ctx_len) & ((kv - ctx_len) // block == blk))
+    return create_block_mask(visible, b, None, a * block, ctx_len + a * block, device=anchors.device)
+
+
 def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tensor, embed_w: Tensor,
-                 lm_w: Tensor, gamma: float, lam=0.0) -> dict[str, Tensor]:
+                 lm_w: Tensor, gamma: float, lam=0.0, block_mask: bool = False) -> dict[str, Tensor]:
     """`loss` = (1 - lam) CE(corrected) + lam CE(base), each weighted over the valid slots (the one output with a
     gradient; lam a float or a 0-dim tensor); without gradient the two cross-entropies `final` and `base`,
     `accuracy` (argmax hits over the valid slots: response tokens inside the sequence) and `accept_len` (per
     valid anchor, the slots hit before the first miss or the first slot that is not valid, so never past the
-    response's end)."""
+    response's end). `block_mask`: the attention mask as a FlexAttention BlockMask (for a compiled loss)."""
     s = drafter.cfg.block_size
     ids, anchors = batch.input_ids, batch.anchors
     (b, t), a = ids.shape, anchors.shape[1]
     ctx = drafter.backbone.context(target_hidden, torch.arange(t, device=ids.device).expand(b, t))
     roots = ids.gather(1, anchors)
     embeds, pos = drafter.block_inputs(roots.reshape(-1), anchors.reshape(-1), embed_w)
-    hidden = drafter.backbone(embeds.view(b, a * s, -1), pos.view(b, a * s), ctx,
-                              training_mask(anchors, batch.anchor_valid, t, s))
+    mask = (training_block_mask if block_mask else training_mask)(anchors, batch.anchor_valid, t, s)
+    hidden = drafter.backbone(embeds.view(b, a * s, -1), pos.view(b, a * s), ctx, mask)
     offsets = torch.arange(s, device=ids.device)
     label_pos = anchors[..., None] + 1 + offsets                      # [B, A, S]
     in_seq = label_pos < t
@@ -149,17 +164,24 @@ def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tenso
                 "accept_len": (accept * rows).sum() / rows.sum().clamp(min=1)}
 
 
-def step_flops(cfg: DrafterConfig, batch: int, seq_len: int, anchors: int) -> float:
+def attended_pairs(anchors: Tensor, anchor_valid: Tensor, block: int) -> int:
+    """(query, key) pairs `training_mask` lets through: each block's slots see the context before a valid anchor
+    and the block's own slots."""
+    return block * int((anchors * anchor_valid).sum() + block * anchors.numel())
+
+
+def step_flops(cfg: DrafterConfig, batch: int, seq_len: int, anchors: int, attended: Optional[int] = None) -> float:
     """Model FLOPs of one training step (forward + backward) of the drafter, counting the frozen LM head's
-    forward and input gradient, and dense masked attention."""
+    forward and input gradient, and attention over the `attended` (query, key) pairs (None: every pair of the
+    dense mask, context and blocks)."""
     h, v, layers, q_dim, kv_dim = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, \
         cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     q, ctx = batch * anchors * cfg.block_size, batch * seq_len
     per_q = layers * (2 * h * q_dim + 2 * h * kv_dim + 3 * h * cfg.intermediate_size) \
         + (3 * cfg.gru_hidden + cfg.correction_rank) * (h + cfg.gru_hidden) + cfg.correction_rank * v
     per_ctx = cfg.context_size * h + layers * 2 * h * kv_dim
-    attn = 12 * layers * batch * anchors * cfg.block_size * (seq_len + anchors * cfg.block_size) * q_dim
-    return 6 * q * per_q + 4 * q * h * v + 6 * ctx * per_ctx + attn
+    pairs = attended if attended is not None else q * (seq_len + anchors * cfg.block_size)
+    return 6 * q * per_q + 4 * q * h * v + 6 * ctx * per_ctx + 12 * layers * pairs * q_dim
 
 
 KNOWN_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))     # bf16 dense, per device
@@ -176,14 +198,14 @@ class DraftLoss(nn.Module):
     """The drafter's block losses as one module, so that DDP wraps the drafter alone: the frozen target's
     hidden states and weights come in as inputs."""
 
-    def __init__(self, drafter: DominoDrafter, gamma: float):
+    def __init__(self, drafter: DominoDrafter, gamma: float, block_mask: bool = False):
         super().__init__()
-        self.drafter, self.gamma = drafter, gamma
+        self.drafter, self.gamma, self.block_mask = drafter, gamma, block_mask
 
     def forward(self, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, anchor_valid: Tensor,
                 target_hidden: Tensor, embed_w: Tensor, lm_w: Tensor, lam: Tensor) -> dict[str, Tensor]:
         return block_losses(self.drafter, TrainBatch(input_ids, loss_mask, anchors, anchor_valid), target_hidden,
-                            embed_w, lm_w, self.gamma, lam)
+                            embed_w, lm_w, self.gamma, lam, self.block_mask)
 
 
 class Trainer:
@@ -225,9 +247,10 @@ class Trainer:
             self.resume(source)
         self.features = self._cache_features() if cfg.target_features == "cached" else None
         self.heldout = self._heldout_batches(heldout)
-        self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma)
+        compiled = cfg.compile and self.device.type == "cuda"
+        self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma, block_mask=compiled and cfg.sparse_attention)
         self.model = wrap(self.loss_module) if wrap else self.loss_module
-        if cfg.compile and self.device.type == "cuda":
+        if compiled:
             # One shape: on the H200 (torch 2.11) a compiled run whose batch widths varied segfaulted while
             # AOTAutograd saved a backward into its cache; with every batch one static shape it compiled and ran.
             self.batcher.full_width = True
@@ -309,8 +332,11 @@ class Trainer:
 
     def train_step(self) -> dict[str, Tensor]:
         """One step; besides the losses, `width` (the batch's longest sequence, rounded up: what its FLOPs are
-        counted at, padding past it not counted) and `tokens` (its prompt + response tokens) as host numbers."""
-        batch = self.batcher.next().to(self.device)
+        counted at, padding past it not counted), `tokens` (its prompt + response tokens) and `attended` (its
+        attention's unmasked pairs) as host numbers."""
+        host = self.batcher.next()
+        attended = attended_pairs(host.anchors, host.anchor_valid, self.drafter.cfg.block_size)
+        batch = host.to(self.device)
         lam = self.lambda_at(self.step)
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(self.step)
@@ -323,7 +349,8 @@ class Trainer:
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.step += 1
-        return {**{k: v.detach() for k, v in losses.items()}, "width": batch.width, "tokens": batch.num_tokens}
+        return {**{k: v.detach() for k, v in losses.items()}, "width": batch.width, "tokens": batch.num_tokens,
+                "attended": attended}
 
     def train(self) -> list[dict]:
         """Train to `cfg.steps`, or until `stop_at_step` or the time budget; the last step is checkpointed.
@@ -333,7 +360,8 @@ class Trainer:
         while self.step < self.total_steps:
             out = self.train_step()
             window["steps"] += 1
-            window["flops"] += step_flops(self.drafter.cfg, c.batch_size, out.pop("width"), c.anchors_per_seq)
+            window["flops"] += step_flops(self.drafter.cfg, c.batch_size, out.pop("width"), c.anchors_per_seq,
+                                          out.pop("attended"))
             window["tokens"] += out["tokens"]
             self.local_tokens += out.pop("tokens")
             stop = bool(c.stop_at_step) and self.step >= c.stop_at_step

@@ -14,7 +14,7 @@ import torch.nn.functional as F  # noqa: E402
 import speculative.vocab_loss as vocab_loss  # noqa: E402
 from speculative.drafter import DominoDrafter, DrafterConfig  # noqa: E402
 from speculative.train_data import TrainBatch  # noqa: E402
-from speculative.train_loop import block_losses, training_mask  # noqa: E402
+from speculative.train_loop import attended_pairs, block_losses, training_mask  # noqa: E402
 from tests.support.threads import one_thread  # noqa: F401,E402  (autouse)
 
 V = 96
@@ -126,3 +126,17 @@ def test_triton_cross_entropy_grad_equals_the_torch_ops(monkeypatch, dtype):
         assert torch.allclose(ce.cpu(), ce_ref, **tol)
         assert torch.equal(argmax.cpu(), argmax_ref) and argmax_ref[2] == 7
         assert torch.allclose(mine.cpu().float(), ref.float(), **tol)
+
+
+def test_block_mask_attention_equals_the_dense_mask():
+    """The FlexAttention BlockMask (what a compiled loss uses) lets through what the dense mask does: the same
+    losses (forward only: FlexAttention has no backward on the CPU); attended_pairs, what MFU counts, is the
+    dense mask's count of True."""
+    drafter, batch, hidden, embed, lm = small_problem(2)
+    with torch.no_grad():
+        dense, sparse = (block_losses(drafter, batch, hidden, embed, lm, 7.0, 0.5, block_mask=b) for b in (False, True))
+    for key in ("loss", "final", "base", "accuracy", "accept_len"):
+        assert sparse[key].item() == pytest.approx(dense[key].item(), rel=1e-5), key
+    s, t = drafter.cfg.block_size, batch.input_ids.shape[1]
+    assert attended_pairs(batch.anchors, batch.anchor_valid, s) == \
+        int(training_mask(batch.anchors, batch.anchor_valid, t, s).sum())
