@@ -10,13 +10,13 @@ on the CPU): a step's time does not depend on weight values. Drafter: the bundle
 16). Pairs: synthetic token ids with the regenerated ShareGPT data's lengths (prompt
 20-300, response 60-512 tokens, uniform), so batches pad as real ones do.
 
-A configuration is `features:batch:anchors[:compile[:dense]]` (features `online` or `cached`; `dense`: a compiled
-loss's attention over the dense boolean mask instead of the FlexAttention block mask). Each runs `--steps` steps
-through `Trainer.train`; its first logging window (warm-up: allocator, cuDNN plans, the compile) is dropped and
-the rest averaged. Counted, as the Trainer logs them: step_ms, MFU (the drafter's forward and backward FLOPs
-at each batch's longest sequence, attention over the pairs its mask lets through, over the device's bf16
-dense peak; the target's forward not counted),
-sequence and query tokens per second, peak memory; for `cached`, the seconds the feature cache took to build.
+A configuration is `features:batch:anchors[:compile[:sparse]]` (features `online` or `cached`; `sparse`: a
+compiled loss attends through the FlexAttention block mask, `--sparse-attention`, instead of the dense boolean
+mask). Each runs `--steps` steps through `Trainer.train`; its first logging window (warm-up: allocator, cuDNN
+plans, the compile) is dropped and the rest averaged. Counted, as the Trainer logs them: step_ms, MFU (the
+drafter's forward and backward FLOPs at each batch's longest sequence, its attention over the (query, key) pairs
+the mask lets through, over the device's bf16 dense peak; the target's forward not counted), sequence and query
+tokens per second, peak memory; for `cached`, the seconds the feature cache took to build.
 """
 from __future__ import annotations
 
@@ -60,10 +60,10 @@ def synthetic_pairs(count: int, seed: int) -> list:
 def parse_config(text: str) -> dict:
     parts = text.split(":")
     if len(parts) < 3 or parts[0] not in ("online", "cached") or parts[3:] not in ([], ["compile"],
-                                                                                  ["compile", "dense"]):
-        raise argparse.ArgumentTypeError(f"{text!r}: want features:batch:anchors[:compile[:dense]]")
+                                                                                  ["compile", "sparse"]):
+        raise argparse.ArgumentTypeError(f"{text!r}: want features:batch:anchors[:compile[:sparse]]")
     return {"target_features": parts[0], "batch_size": int(parts[1]), "anchors_per_seq": int(parts[2]),
-            "compile": len(parts) > 3, "sparse_attention": len(parts) != 5}
+            "compile": len(parts) > 3, "sparse_attention": len(parts) == 5}
 
 
 def run_config(model, hf, pairs, device, spec: dict, steps: int, log_every: int, seed: int) -> dict:
@@ -118,12 +118,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         row = run_config(model, hf, pairs, device, spec, args.steps, args.log_every, args.seed)
         rows.append(row)
         mfu = f"{row['mfu']:.2%}" if row["mfu"] else "n/a"
-        kind = (" compiled" if row["compile"] else "") + ("" if row["sparse_attention"] else " dense")
+        kind = (" compiled" if row["compile"] else "") + (" sparse" if row["sparse_attention"] else "")
         print(f"{row['target_features']:>6} b{row['batch_size']} A{row['anchors_per_seq']}{kind}: "
               f"{row['step_ms']:8.1f} ms/step  mfu {mfu}  {row['seq_tokens_per_s']:,.0f} seq tok/s  "
               f"{row['query_tokens_per_s']:,.0f} query tok/s", flush=True)
     by = {(r["target_features"], r["batch_size"], r["anchors_per_seq"], r["compile"]): r for r in rows
-          if r["sparse_attention"] or not r["compile"]}
+          if not r["sparse_attention"]}
     speedup = {f"b{b}_a{a}{'_compiled' if c else ''}": by[("online", b, a, c)]["step_ms"] / r["step_ms"]
                for (f, b, a, c), r in by.items() if f == "cached" and ("online", b, a, c) in by}
     result = {"device": str(device), "target": f"{SHAPE} shape (bench.shapes), random weights",

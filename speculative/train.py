@@ -45,7 +45,7 @@ FLAG_HELP = {
     "trim_loops": "cut a response that ends in a loop (a block of tokens repeated up to the end: "
                   "speculative.train_data.trim_loop) after two periods of it",
     "sparse_attention": "with --compile, the training mask as a FlexAttention BlockMask: tiles it masks whole are "
-                        "skipped (--no-sparse-attention: SDPA over the dense boolean mask)",
+                        "skipped (default: SDPA over the dense boolean mask)",
     "heldout_pairs": "jsonl of held-out {prompt_ids, response_ids}: every log record adds their teacher-forced "
                      "heldout_accept_len and heldout_accuracy (--heldout-batches fixed batches per worker)"}
 

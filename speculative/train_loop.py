@@ -73,7 +73,7 @@ class TrainConfig:
                                            # "online": inside every step
     compile: bool = True                   # torch.compile the drafter's loss on CUDA (ignored on the CPU); every
                                            # batch is then seq_len wide, one static shape
-    sparse_attention: bool = True          # compiled: the training mask as a FlexAttention BlockMask, whose
+    sparse_attention: bool = False         # compiled: the training mask as a FlexAttention BlockMask, whose
                                            # fully masked tiles are skipped (else SDPA over the dense mask)
     trim_loops: bool = True                # responses that end in a loop are cut after two periods as the pairs
                                            # are read (train_data.trim_loop)

@@ -1,7 +1,10 @@
 """bench.drafter_train: each configuration trains through the product Trainer and reports its log's figures."""
+import argparse
 import json
 
-from bench.drafter_train import main
+import pytest
+
+from bench.drafter_train import main, parse_config
 
 
 def test_drafter_train_reports_online_and_cached(tmp_path):
@@ -14,3 +17,13 @@ def test_drafter_train_reports_online_and_cached(tmp_path):
     assert set(res["cached_over_online_speed"]) == {"b2_a4"}
     saved = json.loads((tmp_path / "t.json").read_text())
     assert saved["provenance"]["command"].startswith("python -m bench.drafter_train")
+
+
+def test_a_configuration_names_the_compile_and_the_attention_mask():
+    assert parse_config("cached:16:128") == {"target_features": "cached", "batch_size": 16, "anchors_per_seq": 128,
+                                             "compile": False, "sparse_attention": False}
+    assert parse_config("cached:16:128:compile")["compile"] is True
+    assert parse_config("cached:16:128:compile:sparse")["sparse_attention"] is True
+    for bad in ("cached:16", "cached:16:128:sparse", "cached:16:128:compile:dense", "eager:16:128"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_config(bad)
