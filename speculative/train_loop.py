@@ -22,7 +22,6 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speculative.drafter import DominoDrafter, DrafterConfig

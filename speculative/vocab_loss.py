@@ -49,7 +49,7 @@ class _ChunkedVocabLoss(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, labels: Tensor, w_final: Tensor,
                 w_base: Tensor, grad: bool, chunk_rows: int):
         dt, n = hidden.dtype, hidden.shape[0]
-        lm, proj, z = lm_w.to(dt), w2.to(dt), z.to(dt)
+        lm, proj = lm_w.to(dt), w2.to(dt)
         ce_final = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ce_base, argmax = torch.empty_like(ce_final), torch.empty(n, dtype=torch.int64, device=hidden.device)
         g_hidden = torch.empty_like(hidden) if grad else None
@@ -83,12 +83,16 @@ class _ChunkedVocabLoss(torch.autograd.Function):
 def vocab_losses(hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, labels: Tensor, weight: Tensor,
                  lam, chunk_rows: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """hidden [N, H], z [N, r], lm_w [V, H] (frozen), w2 [V, r], labels [N], weight [N] (each row's share of
-    the loss), lam (float or 0-dim tensor: the base CE's share) -> (loss, CE(final) [N], CE(base) [N],
-    argmax(final) [N]); only `loss` carries a gradient (to hidden, z and w2)."""
-    lam = float(lam)
+    the loss), lam (a float or a 0-dim tensor, on any device: the base CE's share) -> (loss, CE(final) [N],
+    CE(base) [N], argmax(final) [N]); only `loss` carries a gradient (to hidden, z and w2). The logits are made
+    in the autocast dtype where autocast is on (else hidden's)."""
+    kind = hidden.device.type
+    dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
     weight = weight.float()
+    lam = torch.as_tensor(lam, dtype=torch.float32)          # a 0-dim tensor mixes with any device's: no sync
     grad = torch.is_grad_enabled() and (hidden.requires_grad or z.requires_grad or w2.requires_grad)
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // lm_w.shape[0])
-    with torch.autocast(hidden.device.type, enabled=False):
-        return _ChunkedVocabLoss.apply(hidden.contiguous(), z.contiguous(), lm_w, w2, labels.contiguous(),
-                                       weight * (1 - lam), weight * lam, grad, rows)
+    hidden, z = hidden.to(dt).contiguous(), z.to(dt).contiguous()
+    with torch.autocast(kind, enabled=False):
+        return _ChunkedVocabLoss.apply(hidden, z, lm_w, w2, labels.contiguous(), weight * (1 - lam), weight * lam,
+                                       grad, rows)
