@@ -30,8 +30,8 @@ import torch
 from speculative.train_checkpoint import find_checkpoint
 from speculative.train_distributed import (TrainJob, local_ray, ray_train_available, run_in_process, run_training,
                                           worker_count)
-from speculative.train_loop import (FEATURE_MODES, HFTarget, TrainConfig, Trainer, block_losses, device_peak_flops,
-                                    step_flops, training_mask)
+from speculative.train_loop import (FEATURE_MODES, VOCAB_LOSSES, HFTarget, TrainConfig, Trainer, block_losses,
+                                    device_peak_flops, step_flops, training_mask)
 
 __all__ = ["HFTarget", "TrainConfig", "Trainer", "block_losses", "step_flops", "training_mask", "main"]
 
@@ -101,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         elif f.name == "target_features":
             p.add_argument(flag, choices=FEATURE_MODES, default=value,
                            help="cached: the target runs once over every pair before training; online: in every step")
+        elif f.name == "vocab_loss":
+            p.add_argument(flag, choices=VOCAB_LOSSES, default=value,
+                           help="chunked: logits a chunk of rows at a time, gradients made in the forward; full: the "
+                                "batch's logits at once with autograd (the baseline)")
         elif f.name == "heldout_pairs":
             p.add_argument(flag, default=value, help=FLAG_HELP[f.name])
         else:

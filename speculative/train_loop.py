@@ -29,9 +29,10 @@ from speculative.train_checkpoint import (SHARD_BYTES, find_checkpoint, optimize
                                           read_checkpoint, read_manifest, write_checkpoint)
 from speculative.train_data import Pair, PairBatcher, TrainBatch
 from speculative.train_features import FeatureCache
-from speculative.vocab_loss import vocab_losses
+from speculative.vocab_loss import full_vocab_losses, vocab_losses
 
 FEATURE_MODES = ("cached", "online")
+VOCAB_LOSSES = ("chunked", "full")
 LOG_NAME = "train_log.jsonl"
 
 
@@ -74,6 +75,8 @@ class TrainConfig:
                                            # batch is then seq_len wide, one static shape
     sparse_attention: bool = False         # compiled: the training mask as a FlexAttention BlockMask, whose
                                            # fully masked tiles are skipped (else SDPA over the dense mask)
+    vocab_loss: str = "chunked"            # "chunked": speculative/vocab_loss.py; "full": the batch's logits at
+                                           # once with autograd (the baseline it is measured against)
     trim_loops: bool = True                # responses that end in a loop are cut after two periods as the pairs
                                            # are read (train_data.trim_loop)
     heldout_pairs: Optional[str] = None    # jsonl of held-out pairs: every log record adds their teacher-forced
@@ -126,12 +129,14 @@ def training_block_mask(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, blo
 
 
 def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tensor, embed_w: Tensor,
-                 lm_w: Tensor, gamma: float, lam=0.0, block_mask: bool = False) -> dict[str, Tensor]:
+                 lm_w: Tensor, gamma: float, lam=0.0, block_mask: bool = False,
+                 vocab_loss: str = "chunked") -> dict[str, Tensor]:
     """`loss` = (1 - lam) CE(corrected) + lam CE(base), each weighted over the valid slots (the one output with a
     gradient; lam a float or a 0-dim tensor); without gradient the two cross-entropies `final` and `base`,
     `accuracy` (argmax hits over the valid slots: response tokens inside the sequence) and `accept_len` (per
     valid anchor, the slots hit before the first miss or the first slot that is not valid, so never past the
-    response's end). `block_mask`: the attention mask as a FlexAttention BlockMask (for a compiled loss)."""
+    response's end). `block_mask`: the attention mask as a FlexAttention BlockMask (for a compiled loss);
+    `vocab_loss`: TrainConfig.vocab_loss."""
     s = drafter.cfg.block_size
     ids, anchors = batch.input_ids, batch.anchors
     (b, t), a = ids.shape, anchors.shape[1]
@@ -150,9 +155,9 @@ def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tenso
     z = drafter.head.correction_inputs(hidden.view(b * a, s, -1), embed_w[path].view(b * a, s, -1).to(hidden.dtype))
     weight = torch.exp(-offsets.float() / gamma) * valid
     weight = weight / weight.sum().clamp(min=1e-6)
-    loss, ce_final, ce_base, argmax = vocab_losses(hidden.reshape(b * a * s, -1), z.reshape(b * a * s, -1), lm_w,
-                                                   drafter.head.w2.weight, labels.reshape(-1), weight.reshape(-1),
-                                                   lam)
+    losses = vocab_losses if vocab_loss == "chunked" else full_vocab_losses
+    loss, ce_final, ce_base, argmax = losses(hidden.reshape(b * a * s, -1), z.reshape(b * a * s, -1), lm_w,
+                                             drafter.head.w2.weight, labels.reshape(-1), weight.reshape(-1), lam)
     with torch.no_grad():
         hit = (argmax.view(b, a, s) == labels) & valid
         rows = valid[..., 0]
@@ -197,14 +202,14 @@ class DraftLoss(nn.Module):
     """The drafter's block losses as one module, so that DDP wraps the drafter alone: the frozen target's
     hidden states and weights come in as inputs."""
 
-    def __init__(self, drafter: DominoDrafter, gamma: float, block_mask: bool = False):
+    def __init__(self, drafter: DominoDrafter, gamma: float, block_mask: bool = False, vocab_loss: str = "chunked"):
         super().__init__()
-        self.drafter, self.gamma, self.block_mask = drafter, gamma, block_mask
+        self.drafter, self.gamma, self.block_mask, self.vocab_loss = drafter, gamma, block_mask, vocab_loss
 
     def forward(self, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, anchor_valid: Tensor,
                 target_hidden: Tensor, embed_w: Tensor, lm_w: Tensor, lam: Tensor) -> dict[str, Tensor]:
         return block_losses(self.drafter, TrainBatch(input_ids, loss_mask, anchors, anchor_valid), target_hidden,
-                            embed_w, lm_w, self.gamma, lam, self.block_mask)
+                            embed_w, lm_w, self.gamma, lam, self.block_mask, self.vocab_loss)
 
 
 class Trainer:
@@ -239,6 +244,8 @@ class Trainer:
         self.stopped_early = False
         if cfg.target_features not in FEATURE_MODES:
             raise ValueError(f"target_features must be one of {FEATURE_MODES}, not {cfg.target_features!r}")
+        if cfg.vocab_loss not in VOCAB_LOSSES:
+            raise ValueError(f"vocab_loss must be one of {VOCAB_LOSSES}, not {cfg.vocab_loss!r}")
         os.makedirs(out_dir, exist_ok=True)
         torch.manual_seed(cfg.seed)
         source = self._newest_checkpoint(resume_from)
@@ -247,7 +254,8 @@ class Trainer:
         self.features = self._cache_features() if cfg.target_features == "cached" else None
         self.heldout = self._heldout_batches(heldout)
         compiled = cfg.compile and self.device.type == "cuda"
-        self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma, block_mask=compiled and cfg.sparse_attention)
+        self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma, block_mask=compiled and cfg.sparse_attention,
+                                     vocab_loss=cfg.vocab_loss)
         self.model = wrap(self.loss_module) if wrap else self.loss_module
         if compiled:
             # One shape: on the H200 (torch 2.11) a compiled run whose batch widths varied segfaulted while

@@ -79,6 +79,18 @@ class _ChunkedVocabLoss(torch.autograd.Function):
                 (g_w2 * g_loss).to(ctx.w2_dtype), None, None, None, None, None)
 
 
+def full_vocab_losses(hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, labels: Tensor, weight: Tensor,
+                      lam) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`vocab_losses` on the batch's whole logits, float32 cross-entropies and autograd: the plain formulation,
+    kept as the baseline the chunked one is measured against (`--vocab-loss full`)."""
+    base = hidden @ lm_w.to(hidden.dtype).t()
+    final = base + (z @ w2.to(z.dtype).t()).to(base.dtype)
+    ce_final, ce_base = (torch.nn.functional.cross_entropy(x.float(), labels, reduction="none") for x in (final, base))
+    weight = weight.float()
+    loss = ((1 - lam) * ce_final * weight).sum() + (lam * ce_base * weight).sum()
+    return loss, ce_final.detach(), ce_base.detach(), final.detach().argmax(-1)
+
+
 @torch.compiler.disable
 def vocab_losses(hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, labels: Tensor, weight: Tensor,
                  lam, chunk_rows: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -92,6 +92,22 @@ def test_chunked_loss_and_gradients_equal_the_plain_formulation(monkeypatch, lam
         assert torch.allclose(got[name], g, rtol=1e-4, atol=1e-6), name
 
 
+def test_the_full_logits_baseline_equals_the_chunked_loss():
+    """`vocab_loss="full"` (what bench.drafter_train measures the chunked loss against) trains the same objective."""
+    drafter, batch, hidden, embed, lm = small_problem(3)
+    grads, values = [], []
+    for kind in ("chunked", "full"):
+        drafter.zero_grad(set_to_none=True)
+        out = block_losses(drafter, batch, hidden, embed, lm, 7.0, 0.4, vocab_loss=kind)
+        out["loss"].backward()
+        values.append({k: out[k].item() for k in ("loss", "final", "base", "accuracy", "accept_len")})
+        grads.append({n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
+    assert values[0] == pytest.approx(values[1], rel=1e-5)
+    assert set(grads[0]) == set(grads[1])
+    for name, g in grads[1].items():
+        assert torch.allclose(grads[0][name], g, rtol=1e-4, atol=1e-6), name
+
+
 def test_no_gradient_work_without_autograd():
     """Under no_grad (held-out evaluation) the same figures come out and the logits are left alone."""
     drafter, batch, hidden, embed, lm = small_problem(1)
