@@ -1,11 +1,10 @@
 """Drafter training's loss on the GPU: the Triton cross-entropy kernel at the real vocabulary in bfloat16, the
-chunked vocabulary loss against full logits, and the compiled loss through the FlexAttention block mask against
+chunked vocabulary loss against full logits, and the loss through the FlexAttention block mask against
 the dense mask (values and gradients)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
-from speculative.vocab_loss import _ce_grad_torch, vocab_losses
+from speculative.vocab_loss import _ce_grad_torch, full_vocab_losses, vocab_losses
 from tests.speculative.test_vocab_loss import small_problem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -37,14 +36,8 @@ def test_chunked_loss_equals_full_logits_in_bfloat16():
     weight = torch.rand(n, device="cuda", generator=gen)
     weight /= weight.sum()
     grads = []
-    for chunked in (False, True):
-        if chunked:
-            loss = vocab_losses(hidden, z, lm, w2, labels, weight, lam)[0]
-        else:
-            base = hidden @ lm.t()
-            final = base + z @ w2.bfloat16().t()
-            loss = sum(share * (F.cross_entropy(x.float(), labels, reduction="none") * weight).sum()
-                       for share, x in ((1 - lam, final), (lam, base)))
+    for losses in (full_vocab_losses, vocab_losses):
+        loss = losses(hidden, z, lm, w2, labels, weight, lam)[0]
         grads.append([loss.detach()] + list(torch.autograd.grad(loss, (hidden, z, w2))))
     for full, mine in zip(*grads):
         full, mine = full.float(), mine.float()
