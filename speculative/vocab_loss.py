@@ -50,21 +50,15 @@ def cross_entropy_grad(logits: Tensor, labels: Tensor, weights: Tensor, grad: bo
 
 def _corrected_ce_torch(base: Tensor, z: Tensor, w2: Tensor, labels: Tensor, w_final: Tensor, w_base: Tensor,
                         grad: bool) -> tuple:
-    """speculative.kernels.vocab_ce.corrected_cross_entropy in torch ops (the CPU)."""
-    xb = base.float()
-    xf = xb + (z @ w2.t()).float()
-    out = []
-    for x, w in ((xf, w_final), (xb, w_base)):
-        lse = torch.logsumexp(x, -1)
-        out.append((lse - x.gather(1, labels[:, None]).squeeze(1), lse, w))
-    argmax = xf.argmax(-1)
+    """speculative.kernels.vocab_ce.corrected_cross_entropy in torch ops (the CPU): `_ce_grad_torch` on the
+    corrected logits (float32), then on the base ones accumulating their gradient."""
+    final = base.float() + (z @ w2.t()).float()
+    ce_final, argmax = _ce_grad_torch(final, labels, w_final, grad)
+    ce_base, _ = _ce_grad_torch(base, labels, w_base, grad, acc=final if grad else None)
     if not grad:
-        return out[0][0], out[1][0], argmax, None, None
-    g = [torch.exp(x - lse[:, None]).mul_(w[:, None]).scatter_add_(1, labels[:, None], -w[:, None])
-         for x, (_, lse, w) in zip((xf, xb), out)]
-    g_final = g[0].to(base.dtype)
-    base.copy_(g[0] + g[1])
-    return out[0][0], out[1][0], argmax, g_final, (g_final @ w2).to(z.dtype)
+        return ce_final, ce_base, argmax, None, None
+    g_final = final.to(base.dtype)
+    return ce_final, ce_base, argmax, g_final, (g_final @ w2).to(z.dtype)
 
 
 def corrected_cross_entropy(base: Tensor, z: Tensor, w2: Tensor, labels: Tensor, w_final: Tensor, w_base: Tensor,
@@ -97,12 +91,10 @@ class _ChunkedVocabLoss(torch.autograd.Function):
                 ce_final[rows], argmax[rows] = cross_entropy_grad(final, labels[rows], w_final[rows], grad)
                 # base's gradient plus final's: both sets of logits were made from `hidden` through the head
                 ce_base[rows], _ = cross_entropy_grad(base, labels[rows], w_base[rows], grad, acc=final)
+                g_z_rows = final @ proj if grad else None
             if grad:                         # base: both cross-entropies' gradient; final: the corrected one's
                 torch.mm(base, lm, out=g_hidden[rows])
-                if tiled:
-                    g_z[rows] = g_z_rows
-                else:
-                    torch.mm(final, proj, out=g_z[rows])
+                g_z[rows] = g_z_rows
                 g_w2 += (final.t() @ z[rows]).float()
         ctx.save_for_backward(g_hidden, g_z, g_w2)
         ctx.w2_dtype = w2.dtype

@@ -79,6 +79,24 @@ def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torc
 
 
 @triton.jit
+def _logit_tile(base, stride, safe, w2, zt, ks, R, start, V, BN: tl.constexpr, PRECISION: tl.constexpr):
+    """One [BM, BN] tile of b (float32; -inf past V) and of f = b + z W2^T, and W2's tile [BN, RP]."""
+    cols = start + tl.arange(0, BN)
+    col_ok = cols < V
+    xb = tl.load(base + safe[:, None] * stride + cols[None, :], mask=col_ok[None, :],
+                 other=float("-inf")).to(tl.float32)
+    w2t = tl.load(w2 + cols[:, None] * R + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < R), other=0.0)
+    return cols, col_ok, xb, xb + tl.dot(zt, tl.trans(w2t), input_precision=PRECISION), w2t
+
+
+@triton.jit
+def _online_lse(m, s, x):
+    """The running max m and sum s of exp(x - m) per row, after one more tile x."""
+    new = tl.maximum(m, tl.max(x, 1))
+    return new, s * tl.exp(m - new) + tl.sum(tl.exp(x - new[:, None]), 1)
+
+
+@triton.jit
 def corrected_ce_kernel(base, stride, z, w2, labels, w_final, w_base, ce_final, ce_base, argmax_out,
                         g_final, g_z, n, V, R,
                         GRAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RP: tl.constexpr,
@@ -98,22 +116,13 @@ def corrected_ce_kernel(base, stride, z, w2, labels, w_final, w_base, ce_final, 
     top = tl.full([BM], float("-inf"), tl.float32)     # f's largest logit so far and its first index
     best = tl.zeros([BM], tl.int32)
     for start in range(0, V, BN):
-        cols = start + tl.arange(0, BN)
-        col_ok = cols < V
-        xb = tl.load(base + safe[:, None] * stride + cols[None, :], mask=col_ok[None, :],
-                     other=float("-inf")).to(tl.float32)
-        w2t = tl.load(w2 + cols[:, None] * R + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < R), other=0.0)
-        xf = xb + tl.dot(zt, tl.trans(w2t), input_precision=PRECISION)
-        new_b = tl.maximum(m_b, tl.max(xb, 1))
-        s_b = s_b * tl.exp(m_b - new_b) + tl.sum(tl.exp(xb - new_b[:, None]), 1)
-        m_b = new_b
-        tile_top = tl.max(xf, 1)
-        new_f = tl.maximum(m_f, tile_top)
-        s_f = s_f * tl.exp(m_f - new_f) + tl.sum(tl.exp(xf - new_f[:, None]), 1)
-        m_f = new_f
+        cols, col_ok, xb, xf, w2t = _logit_tile(base, stride, safe, w2, zt, ks, R, start, V, BN, PRECISION)
+        m_b, s_b = _online_lse(m_b, s_b, xb)
+        m_f, s_f = _online_lse(m_f, s_f, xf)
         hit = cols[None, :] == label[:, None]
         x_b += tl.sum(tl.where(hit, xb, 0.0), 1)
         x_f += tl.sum(tl.where(hit, xf, 0.0), 1)
+        tile_top = tl.max(xf, 1)
         first = tl.min(tl.where(xf == tile_top[:, None], cols[None, :], V), 1)
         grew = tile_top > top                           # strict: an earlier tile keeps a tie
         best = tl.where(grew, first, best)
@@ -128,14 +137,8 @@ def corrected_ce_kernel(base, stride, z, w2, labels, w_final, w_base, ce_final, 
         wb = tl.load(w_base + safe)
         gz = tl.zeros([BM, RP], tl.float32)
         for start in range(0, V, BN):
-            cols = start + tl.arange(0, BN)
-            col_ok = cols < V
+            cols, col_ok, xb, xf, w2t = _logit_tile(base, stride, safe, w2, zt, ks, R, start, V, BN, PRECISION)
             at = rows[:, None] * stride + cols[None, :]
-            xb = tl.load(base + safe[:, None] * stride + cols[None, :], mask=col_ok[None, :],
-                         other=float("-inf")).to(tl.float32)
-            w2t = tl.load(w2 + cols[:, None] * R + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < R),
-                          other=0.0)
-            xf = xb + tl.dot(zt, tl.trans(w2t), input_precision=PRECISION)
             one_hot = tl.where(cols[None, :] == label[:, None], 1.0, 0.0)
             gf = wf[:, None] * (tl.exp(xf - lse_f[:, None]) - one_hot)
             gb = wb[:, None] * (tl.exp(xb - lse_b[:, None]) - one_hot)

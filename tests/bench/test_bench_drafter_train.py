@@ -8,8 +8,9 @@ from bench.drafter_train import main, parse_config
 
 
 def test_drafter_train_reports_online_and_cached(tmp_path):
-    res = main(["--device", "cpu", "--layers", "2", "--configs", "online:2:4,cached:2:4,cached:2:4:fullvocab,cached:2:4:tiled",
-                "--steps", "4", "--log-every", "2", "--pairs", "8", "--out", str(tmp_path / "t.json")])
+    configs = "online:2:4,cached:2:4,cached:2:4:fullvocab,cached:2:4:tiled"
+    res = main(["--device", "cpu", "--layers", "2", "--configs", configs, "--steps", "4", "--log-every", "2",
+                "--pairs", "8", "--out", str(tmp_path / "t.json")])
     online, cached, full, tiled = res["configs"]
     assert (online["target_features"], cached["target_features"]) == ("online", "cached")
     assert all(r["step_ms"] > 0 and r["seq_tokens_per_s"] > 0 and r["windows"] == 1 for r in res["configs"])
