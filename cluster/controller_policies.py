@@ -51,15 +51,20 @@ change), and the policies keep a hysteresis band of their own.
   finish last, and a verdict at once would judge that arm by its fast ones. A replica's first round of trials waits
   `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and what it serves then would
   favour the first arm. Where attainment shows no difference (both met the SLOs for every request, the common case
-  away from overload, or differ by less than that) the arm whose requests kept further from one SLO and no closer to
-  the other wins: its mean TTFT / TTFT SLO or mean inter-token latency / ITL SLO lower than the arm in force's by more
-  than `switch_margin` (relatively) and by more than `arm_evidence_z` standard errors, and the other mean not higher
-  by as much; otherwise the arm in force stays. Each SLO on its own, because a backlog building under one arm shows in
-  its first tokens while its decodes' inter-token latency stays put: the larger of the two ratios per request would
-  hide it for as long as the decodes ran closer to their SLO. It decides from what it measured, never from a default
-  belief about which knob pays. `chunk` re-entering resumes at the budget it left, and its evidence counts only the
-  requests that arrived while it was in force, across its trials, so its trials measure its setting and carry its
-  descent to it on.
+  away from overload, or differ by less than that), the prompts waiting for admission under each arm (one sample a
+  trial round, `waiting`) decide next: an arm under which fewer waited on average, by more than `switch_margin` and
+  `arm_evidence_z` standard errors, while its requests ran no closer to either SLO, wins (one under which more waited
+  does not). Below capacity no prompt waits long under either arm; where one arm leaves the engine short (a KV pool
+  too small for the load, a step budget too small for the prompts) its queue grows, and the backlog reaches the SLOs
+  only after the trials, in first tokens that come late to the prompts that arrive later. Failing that, the arm
+  whose requests kept further from one SLO and no closer to the other wins: its mean TTFT / TTFT SLO or mean
+  inter-token latency / ITL SLO lower than the arm in force's by more than `switch_margin` (relatively) and by more
+  than `arm_evidence_z` standard errors, and the other mean not higher by as much; otherwise the arm in force stays.
+  Each SLO on its own, because a backlog building under one arm shows in its first tokens while its decodes'
+  inter-token latency stays put: the larger of the two ratios per request would hide it for as long as the decodes ran
+  closer to their SLO. It decides from what it measured, never from a default belief about which knob pays. `chunk`
+  re-entering resumes at the budget it left, and its evidence counts only the requests that arrived while it was in
+  force, across its trials, so its trials measure its setting and carry its descent to it on.
 """
 from __future__ import annotations
 
@@ -191,25 +196,27 @@ def attainment_compared(mine: tuple, theirs: tuple, z: float) -> Optional[int]:
     return 1 if diff > z * se else -1 if diff < -z * se else 0
 
 
+def mean_and_se2(n: int, total: float, squares: float) -> tuple[float, float]:
+    """A sample's mean and its squared standard error, from its size, sum and sum of squares."""
+    mean = total / n
+    return mean, max(0.0, squares / n - mean * mean) / max(1, n - 1)
+
+
+def shifted(mine: tuple, theirs: tuple, margin: float, z: float) -> int:
+    """Two samples (size, sum, sum of squares): 1 where `theirs`' mean is higher than `mine`'s by more than
+    `margin` of it and by more than `z` standard errors of the difference, -1 lower by as much, 0 neither."""
+    (mean_a, se2_a), (mean_b, se2_b) = mean_and_se2(*mine), mean_and_se2(*theirs)
+    if abs(mean_b - mean_a) <= z * math.sqrt(se2_a + se2_b):
+        return 0
+    return 1 if mean_b > (1.0 + margin) * mean_a else -1 if mean_b < (1.0 - margin) * mean_a else 0
+
+
 def slo_distance_compared(mine: tuple, theirs: tuple, margin: float, z: float) -> int:
     """How far from the SLOs the requests of evidence `theirs` (`Window.arm_tally`) ran
     against those of `mine`, each SLO on its own: 1 further from one (the mean of latency / SLO lower by more than
     `margin` of `mine`'s and by more than `z` standard errors of the difference) and not closer to the other
     (higher by as much), -1 the reverse, 0 neither (why each SLO on its own: the module's `auto`)."""
-    def mean_and_se2(tally: tuple, k: int) -> tuple[float, float]:      # the mean and its squared standard error
-        n, total, squares = tally[1], tally[k], tally[k + 1]
-        mean = total / n
-        return mean, max(0.0, squares / n - mean * mean) / max(1, n - 1)
-
-    def moved(k: int) -> int:
-        (mean_a, se2_a), (mean_b, se2_b) = mean_and_se2(mine, k), mean_and_se2(theirs, k)
-        beyond = abs(mean_b - mean_a) > z * math.sqrt(se2_a + se2_b)
-        if beyond and mean_b < (1.0 - margin) * mean_a:
-            return 1
-        if beyond and mean_b > (1.0 + margin) * mean_a:
-            return -1
-        return 0
-    verdicts = {moved(2), moved(4)}
+    verdicts = {-shifted((mine[1], *mine[k:k + 2]), (theirs[1], *theirs[k:k + 2]), margin, z) for k in (2, 4)}
     return 1 if verdicts <= {0, 1} and 1 in verdicts else -1 if verdicts <= {0, -1} and -1 in verdicts else 0
 
 
@@ -377,6 +384,7 @@ class AutoPolicy(ConfiguredPolicy):
             self._start_trials(state, arms[0], arms, now, settle=True)
         state["arm_rounds"] = state.get("arm_rounds", 0) + 1
         arm = state["arm"]
+        self._sample_queue(view, state)
         if state["phase"] == "settle" and state["arm_rounds"] >= cfg.trial_rounds:
             self._start_trials(state, arm, arms, now)
         elif state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
@@ -391,6 +399,7 @@ class AutoPolicy(ConfiguredPolicy):
             state["scores"] = {a: (t[0] / t[1] if t[1] else None) for a, t in state["tally"].items()}
             state["loads"] = {a: ({"ttft": t[2] / t[1], "itl": t[4] / t[1]} if t[1] else None)
                               for a, t in state["tally"].items()}
+            state["queue"] = {a: round(w[1] / w[0], 2) for a, w in state["waiting"].items()}
             self._switch(view, state, self._best(state, arm), "exploit", now)
         elif state["phase"] == "exploit" and len(arms) > 1 and (
                 state["arm_rounds"] >= cfg.exploit_rounds or self._fell_behind(view, state, now)):
@@ -406,7 +415,7 @@ class AutoPolicy(ConfiguredPolicy):
         `trial_rounds` rounds of A not counted), or the one arm there is, kept."""
         others = [a for a in arms if a != in_force]
         order = [in_force, *others, *reversed(others), in_force] * self.cfg.trial_cycles if others else [in_force]
-        state.update(tally={}, scores={}, loads={}, order=order, slots=[], tallied_at=now)
+        state.update(tally={}, waiting={}, scores={}, loads={}, queue={}, order=order, slots=[], tallied_at=now)
         self._enter(state, in_force, ("settle" if settle else "trial") if others else "exploit", now)
 
     def _tally(self, view: ReplicaView, state: dict, now: float) -> None:
@@ -419,6 +428,15 @@ class AutoPolicy(ConfiguredPolicy):
                                                               done.arm_tally(self.cfg)))
         state["tallied_at"] = now
 
+    @staticmethod
+    def _sample_queue(view: ReplicaView, state: dict) -> None:
+        """While an arm is on trial, each round adds the prompts waiting at its end (the round ran under the arm in
+        force) to that arm's `waiting` (samples, sum, sum of squares)."""
+        if state["phase"] == "trial":
+            w = view.stats.num_waiting
+            n, total, squares = state.setdefault("waiting", {}).get(state["arm"], (0, 0, 0))
+            state["waiting"][state["arm"]] = (n + 1, total + w, squares + w * w)
+
     def _switch(self, view: ReplicaView, state: dict, arm: str, phase: str, now: float) -> None:
         """Put `arm` in force; `chunk` leaving keeps its budget for its return (`_neutral` restores it)."""
         if state["arm"] == "chunk" and arm != "chunk":
@@ -429,10 +447,12 @@ class AutoPolicy(ConfiguredPolicy):
         """The arm in force, unless another measured better (`_better`) over the round of trials, each with at least
         `min_requests` requests: noise between two equally good arms changes nothing."""
         tally = {a: t for a, t in state["tally"].items() if t[1] >= self.cfg.min_requests}
+        waiting = {a: w for a, w in state.get("waiting", {}).items() if w[0] >= 2}
         best = in_force
         for arm, theirs in tally.items():
             mine = tally.get(best)
-            if arm != best and mine is not None and self._better(mine, theirs, self.cfg.arm_evidence_z):
+            if arm != best and mine is not None and self._better(mine, theirs, self.cfg.arm_evidence_z,
+                                                                 waiting.get(best), waiting.get(arm)):
                 best = arm
         return best
 
@@ -449,12 +469,20 @@ class AutoPolicy(ConfiguredPolicy):
             self._better(mine, theirs, cfg.retrial_z) for arm, theirs in state["tally"].items()
             if arm != state["arm"] and theirs[1] >= cfg.min_requests)
 
-    def _better(self, mine: tuple, theirs: tuple, z: float) -> bool:
+    def _better(self, mine: tuple, theirs: tuple, z: float, waiting_mine: Optional[tuple] = None,
+                waiting_theirs: Optional[tuple] = None) -> bool:
         """Whether tally `theirs` measured better than `mine`: its requests met both SLOs more often by more than
-        `z` standard errors, or, with no difference in attainment, ran further from one SLO and no closer to the
-        other (`slo_distance_compared`, by `switch_margin` and `z` standard errors)."""
+        `z` standard errors; or, with no difference in attainment, fewer prompts waited under it (`waiting`, where
+        both arms have samples: by `switch_margin` and `z` standard errors) while its requests ran no closer to
+        either SLO; or, with no difference in either, they ran further from one SLO and no closer to the other
+        (`slo_distance_compared`, likewise)."""
         met = attainment_compared(mine, theirs, z)
-        return met == 1 or not met and slo_distance_compared(mine, theirs, self.cfg.switch_margin, z) == 1
+        if met:
+            return met == 1
+        margin = self.cfg.switch_margin
+        distance = slo_distance_compared(mine, theirs, margin, z)
+        queue = -shifted(waiting_mine, waiting_theirs, margin, z) if waiting_mine and waiting_theirs else 0
+        return queue == 1 and distance != -1 or not queue and distance == 1
 
     @staticmethod
     def _enter(state: dict, arm: str, phase: str, now: float) -> None:

@@ -36,7 +36,7 @@ def controller_view(replica: dict) -> dict:
     return {"replica_id": replica["replica_id"],
             "policy": state.get("policy", "static"),
             "arm": state.get("arm"), "phase": state.get("phase"), "scores": state.get("scores"),
-            "slo_loads": state.get("loads"),
+            "slo_loads": state.get("loads"), "prompts_waiting": state.get("queue"),
             "rounds": state.get("round", 0),
             "max_num_batched_tokens": s["max_num_batched_tokens"], "budget_limit": replica["budget_limit"],
             "elastic_mode": s["elastic_mode"], "elastic_available": replica["elastic_available"],
@@ -57,8 +57,10 @@ def render(views: list[dict]) -> str:
         if v["reserve_granted_blocks"]:
             reserve += f", {v['reserve_granted_blocks']} blocks given to KV at this budget"
         loads = ", ".join(f"{a} {x['ttft']:.2f}/{x['itl']:.2f}" for a, x in (v.get("slo_loads") or {}).items() if x)
+        queue = ", ".join(f"{a} {x:.1f}" for a, x in (v.get("prompts_waiting") or {}).items())
         policy = v["policy"] + (f" ({v['phase']} {v['arm']}, scores {v['scores']}"
-                                f"{f', mean TTFT/ITL over SLO {loads}' if loads else ''})" if v["arm"] else "")
+                                f"{f', mean TTFT/ITL over SLO {loads}' if loads else ''}"
+                                f"{f', prompts waiting {queue}' if queue else ''})" if v["arm"] else "")
         lines += [f"replica {v['replica_id']}: policy {policy}, {v['rounds']} rounds",
                   f"  max_num_batched_tokens {v['max_num_batched_tokens']} (limit {v['budget_limit']}), "
                   f"elastic {v['elastic_mode']}{'' if v['elastic_available'] else ' (not available)'}, "

@@ -16,7 +16,7 @@ import pytest
 
 from cluster.controller import Controller
 from cluster.controller_policies import (AutoPolicy, ChunkPolicy, ControllerConfig, Decision, ElasticPolicy,
-                                         ReplicaView, Window)
+                                         ReplicaView, Window, attainment_compared, slo_distance_compared)
 from cluster.controller_status import controller_view, render
 from cluster.recent_requests import RecentRequests
 from replicas import LLM, SamplingParams
@@ -203,9 +203,10 @@ def test_status_shows_what_chunk_measured_per_budget():
     assert view["budget_evidence"] == {"512": {"met": 3.0, "requests": 4}, "1024": {"met": 1.0, "requests": 2}}
     assert "chunk's evidence, requests that met both SLOs per budget: 512: 3 of 4, 1024: 1 of 2" in render([view])
     state.update(policy="auto", arm="chunk", phase="exploit", scores={"elastic": 1.0, "chunk": 1.0},
-                 loads={"elastic": {"ttft": 0.186, "itl": 0.649}, "chunk": {"ttft": 0.08, "itl": 0.669}})
+                 loads={"elastic": {"ttft": 0.186, "itl": 0.649}, "chunk": {"ttft": 0.08, "itl": 0.669}},
+                 queue={"elastic": 4.9, "chunk": 1.25})
     assert ("policy auto (exploit chunk, scores {'elastic': 1.0, 'chunk': 1.0}, mean TTFT/ITL over SLO elastic "
-            "0.19/0.65, chunk 0.08/0.67), 7 rounds") in render([controller_view(
+            "0.19/0.65, chunk 0.08/0.67, prompts waiting elastic 4.9, chunk 1.2), 7 rounds") in render([controller_view(
                 {"replica_id": "r0", "stats": stats, "budget_limit": 1024, "elastic_available": True,
                  "controller": {"state": state, "log": []}})])
 
@@ -287,6 +288,45 @@ def test_auto_judges_the_knob_not_the_traffic_drifting_under_it():
     assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
     assert {a: x["ttft"] for a, x in state["loads"].items()} == pytest.approx({"elastic": 0.5, "chunk": 0.4})
     assert state["arm"] == "chunk"
+
+
+@pytest.mark.parametrize("chunk_waiting, winner", [(1, "chunk"), (4, "elastic"), (8, "elastic")])
+def test_auto_credits_each_arm_with_the_prompts_that_waited_under_it(chunk_waiting, winner):
+    """Every request meets both SLOs alike under both arms; at the end of each round 3 or 5 prompts wait under
+    elastic and `chunk_waiting` or 2 more under chunk. Each round's queue goes to the arm in force over it: the arm
+    under which a third as many waited wins; as many (within `switch_margin`) is no verdict and elastic, in force,
+    stays; chunk keeping more waiting never wins."""
+    auto, state, now = AutoPolicy(CFG), {}, 100.0
+    while state.get("phase") != "exploit":
+        base = chunk_waiting if state.get("arm", "elastic") == "chunk" else 3
+        auto.decide(view([20.0] * 3, itl_ms=[5.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off",
+                         num_waiting=base + 2 * (int(now) % 2)), state, now)
+        now += 1.0
+    assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
+    assert state["queue"] == {"elastic": pytest.approx(4.0, abs=1.0),
+                              "chunk": pytest.approx(chunk_waiting + 1, abs=1.0)}
+    assert state["arm"] == winner
+
+
+@pytest.mark.parametrize("chunk_itl_s, winner", [(0.042, "chunk"), (0.060, "elastic")])
+def test_auto_takes_a_verdict_from_the_prompts_waiting_where_the_slo_gaps_are_within_the_noise(chunk_itl_s, winner):
+    """The seed experiment's trials on the GPU, in shape: elastic (in force, the full budget) met both SLOs for all
+    of its 40 requests, chunk for 38 of 40 (within the noise); chunk's first tokens came sooner but spread too wide
+    for a verdict. Under elastic the KV pool ran short: about 5 prompts waited at the end of its trial rounds, about
+    1 under chunk, a gap beyond four standard errors, and it decides for chunk while chunk's inter-token latency is
+    not higher by more than `switch_margin`. With chunk 40% closer to the ITL SLO it trades one for the other:
+    elastic stays."""
+    cfg = replace(CFG, ttft_slo_ms=9_800.0, itl_slo_ms=79.0)
+    elastic = trial_tally([0.2, 2.5] * 20, [0.043] * 40, cfg)
+    chunk = trial_tally([0.1, 1.2] * 19 + [11.0, 12.0], [chunk_itl_s] * 40, cfg)
+    assert attainment_compared(elastic, chunk, cfg.arm_evidence_z) == 0
+    assert slo_distance_compared(elastic, chunk, cfg.switch_margin, cfg.arm_evidence_z) == (
+        0 if winner == "chunk" else -1)
+    waiting = {a: tuple(map(sum, zip(*[(1, w, w * w) for w in queue]))) for a, queue in
+               (("elastic", [0, 2, 5, 8, 12, 3] * 3 + [4, 6]), ("chunk", [0, 0, 1, 3, 2, 0] * 3 + [1, 0]))}
+    state = {"tally": {"elastic": elastic, "chunk": chunk}, "waiting": waiting}
+    assert AutoPolicy(cfg)._best(state, "elastic") == winner
+    assert AutoPolicy(cfg)._best({"tally": state["tally"]}, "elastic") == "elastic"     # no queue samples: no verdict
 
 
 def test_auto_credits_a_trial_only_with_the_requests_that_arrived_in_it():
