@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from replicas.config import ModelConfig
 from speculative.drafter_weights import load_weights, save_weights
+from speculative.tree import gru_step
 
 
 def evenly_spaced_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
@@ -230,10 +231,21 @@ class DominoHead(nn.Module):
         self.uncorrected = cfg.uncorrected_positions
 
     def path_states(self, path_embeds: Tensor) -> Tensor:
-        """path_embeds [N, S, H] = embeddings of (root, t_1, .., t_{S-1}) -> states [N, S, G]; state k has read
-        root + k path tokens, which is what slot k's correction conditions on."""
-        with torch.autocast(path_embeds.device.type, enabled=False):     # the GRU runs in its weights' dtype
-            return self.gru(path_embeds.to(self.gru.weight_ih_l0.dtype))[0]
+        """path_embeds [N, S, H] = embeddings of (root, t_1, .., t_{S-1}) -> float32 states [N, S, G]; state k
+        has read root + k path tokens, which is what slot k's correction conditions on.
+
+        `self.gru`'s recurrence written out over the S slots: the input gates of every slot in one GEMM, then S
+        steps of W_hh h. The GEMMs follow autocast (bf16 in training) and a compiled loss fuses the cell into its
+        graph; the state is carried in float32. nn.GRU itself would run cuDNN's kernel in the weights' dtype,
+        outside the compiled graph."""
+        w_ih, w_hh = self.gru.weight_ih_l0, self.gru.weight_hh_l0
+        gate_in = F.linear(path_embeds.to(w_ih.dtype), w_ih)                            # [N, S, 3G]
+        h = gate_in.new_zeros(gate_in.shape[0], w_hh.shape[1], dtype=torch.float32)
+        states = []
+        for k in range(gate_in.shape[1]):
+            h = gru_step(gate_in[:, k].float(), F.linear(h.to(gate_in.dtype), w_hh).float(), h)
+            states.append(h)
+        return torch.stack(states, 1)
 
     def low_rank(self, hidden: Tensor, states: Tensor) -> Tensor:
         """SiLU(W1 [z; s]): what W2 projects onto the vocabulary."""

@@ -125,6 +125,22 @@ def test_training_blocks_equal_inference_drafts():
         assert torch.allclose(final[0, 5], base[0, 5] + d.head.correction(train_hidden[0, 21], state5[0]), atol=1e-5)
 
 
+def test_path_states_are_the_gru_recurrence():
+    """The written-out recurrence equals torch.nn.GRU on the same weights: states and every gradient (float32)."""
+    torch.manual_seed(0)
+    head = DominoDrafter(tiny_config()).head
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(5, 16, 32, requires_grad=True)
+    ours, ref = head.path_states(x), head.gru(x)[0]
+    assert ours.dtype == torch.float32 and torch.allclose(ours, ref, atol=1e-5)
+    upstream = torch.randn_like(ref)
+    g_ours = torch.autograd.grad((ours * upstream).sum(), [x, *head.gru.parameters()])
+    g_ref = torch.autograd.grad((ref * upstream).sum(), [x, *head.gru.parameters()])
+    for a, b in zip(g_ours, g_ref):
+        assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+
+
 V, H, PERIOD = 16, 32, 20
 
 

@@ -38,7 +38,7 @@ def plain_block_losses(drafter, batch, target_hidden, embed_w, lm_w, gamma, lam)
     path = ids.gather(1, (anchors[..., None] + offsets).clamp(max=t - 1).view(b, -1))
     head, u = drafter.head, drafter.cfg.uncorrected_positions
     h, base = hidden.view(b * a, s, -1), base.view(b * a, s, -1)
-    states = head.path_states(embed_w[path].view(b * a, s, -1))
+    states = head.gru(embed_w[path].view(b * a, s, -1))[0]
     corr = head.w2(F.silu(head.w1(torch.cat([h[:, u:], states[:, u:]], -1))))
     final = torch.cat([base[:, :u], base[:, u:] + corr], 1)
     weight = torch.exp(-offsets.float() / gamma) * valid
