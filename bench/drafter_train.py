@@ -10,13 +10,11 @@ on the CPU): a step's time does not depend on weight values. Drafter: the bundle
 16). Pairs: synthetic token ids with the regenerated ShareGPT data's lengths (prompt
 20-300, response 60-512 tokens, uniform), so batches pad as real ones do.
 
-A configuration is `features:batch:anchors[:compile[:sparse]][:fullvocab|:tiled]` (features `online` or
-`cached`; `sparse`: a compiled loss attends through the FlexAttention block mask, `--sparse-attention`, instead of
-the dense boolean mask; `fullvocab`: the vocabulary loss on the batch's whole logits, `--vocab-loss full`, the
-baseline of the chunked one; `tiled`: `--vocab-loss tiled`, the corrected logits never stored). The JSON compares
-the vocabulary losses in the same setting: `chunked_over_full_vocab_speed`, `tiled_over_chunked_vocab_speed`.
-Each runs `--steps` steps through `Trainer.train`; its first logging window (warm-up: allocator, cuDNN plans, the
-compile) is dropped and the rest averaged. Counted, as the Trainer logs them: step_ms, MFU (the
+A configuration is `features:batch:anchors[:compile[:sparse]][:fullvocab]` (features `online` or `cached`;
+`sparse`: a compiled loss attends through the FlexAttention block mask, `--sparse-attention`, instead of the dense
+boolean mask; `fullvocab`: the vocabulary loss on the batch's whole logits, `--vocab-loss full`, the baseline of the
+chunked one). Each runs `--steps` steps through `Trainer.train`; its first logging window (warm-up: allocator, cuDNN
+plans, the compile) is dropped and the rest averaged. Counted, as the Trainer logs them: step_ms, MFU (the
 drafter's forward and backward FLOPs at each batch's longest sequence, its attention over the (query, key) pairs
 the mask lets through, over the device's bf16 dense peak; the target's forward not counted), sequence and query
 tokens per second, peak memory; for `cached`, the seconds the feature cache took to build.
@@ -60,20 +58,18 @@ def synthetic_pairs(count: int, seed: int) -> list:
              [rng.randrange(vocab) for _ in range(rng.randint(60, 512))]) for _ in range(count)]
 
 
-OPTIONS = ("compile", "sparse", "fullvocab", "tiled")
-VOCAB_OPTIONS = {"fullvocab": "full", "tiled": "tiled"}
+OPTIONS = ("compile", "sparse", "fullvocab")
 
 
 def parse_config(text: str) -> dict:
     parts = text.split(":")
     options = parts[3:]
     if len(parts) < 3 or parts[0] not in ("online", "cached") or not set(options) <= set(OPTIONS) \
-            or len(set(options)) != len(options) or ("sparse" in options and "compile" not in options) \
-            or len(set(options) & set(VOCAB_OPTIONS)) > 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: want features:batch:anchors[:compile[:sparse]][:fullvocab|:tiled]")
+            or len(set(options)) != len(options) or ("sparse" in options and "compile" not in options):
+        raise argparse.ArgumentTypeError(f"{text!r}: want features:batch:anchors[:compile[:sparse]][:fullvocab]")
     return {"target_features": parts[0], "batch_size": int(parts[1]), "anchors_per_seq": int(parts[2]),
             "compile": "compile" in options, "sparse_attention": "sparse" in options,
-            "vocab_loss": next((VOCAB_OPTIONS[o] for o in options if o in VOCAB_OPTIONS), "chunked")}
+            "vocab_loss": "full" if "fullvocab" in options else "chunked"}
 
 
 def run_config(model, hf, pairs, device, spec: dict, steps: int, log_every: int, seed: int) -> dict:
@@ -129,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         rows.append(row)
         mfu = f"{row['mfu']:.2%}" if row["mfu"] else "n/a"
         kind = (" compiled" if row["compile"] else "") + (" sparse" if row["sparse_attention"] else "") \
-            + {"full": " full-vocab", "tiled": " tiled-vocab"}.get(row["vocab_loss"], "")
+            + (" full-vocab" if row["vocab_loss"] == "full" else "")
         print(f"{row['target_features']:>6} b{row['batch_size']} A{row['anchors_per_seq']}{kind}: "
               f"{row['step_ms']:8.1f} ms/step  mfu {mfu}  {row['seq_tokens_per_s']:,.0f} seq tok/s  "
               f"{row['query_tokens_per_s']:,.0f} query tok/s", flush=True)
@@ -138,24 +134,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
     speedup = {f"b{b}_a{a}{'_compiled' if c else ''}": by[("online", b, a, c)]["step_ms"] / r["step_ms"]
                for (f, b, a, c), r in by.items() if f == "cached" and ("online", b, a, c) in by}
     setting = ("target_features", "batch_size", "anchors_per_seq", "compile", "sparse_attention")
-    by_loss = {(r["vocab_loss"], tuple(r[k] for k in setting)): r for r in rows}
-
-    def speed(loss: str, against: str) -> dict[str, float]:
-        """Per setting where both vocabulary losses ran: `loss`'s steps per second over `against`'s."""
-        return {"_".join(str(v) for v in key): by_loss[(against, key)]["step_ms"] / r["step_ms"]
-                for (kind, key), r in by_loss.items() if kind == loss and (against, key) in by_loss}
-    vocab_speed = {"chunked_over_full_vocab_speed": speed("chunked", "full"),
-                   "tiled_over_chunked_vocab_speed": speed("tiled", "chunked")}
+    chunked = {tuple(r[k] for k in setting): r for r in rows if r["vocab_loss"] == "chunked"}
+    vocab_speedup = {"_".join(str(v) for v in key): r["step_ms"] / chunked[key]["step_ms"]
+                     for r in rows if r["vocab_loss"] == "full" and (key := tuple(r[k] for k in setting)) in chunked}
     result = {"device": str(device), "target": f"{SHAPE} shape (bench.shapes), random weights",
               "target_layers": hf.num_hidden_layers, "pairs": args.pairs, "configs": rows,
-              "cached_over_online_speed": speedup, **vocab_speed, "method": __doc__,
+              "cached_over_online_speed": speedup, "chunked_over_full_vocab_speed": vocab_speedup, "method": __doc__,
               "provenance": provenance("bench.drafter_train", argv, str(device), args.seed,
                                        warm_up=f"the first logging window ({args.log_every} steps) of each "
                                                "configuration is dropped",
                                        counted="the Trainer's own log windows after the warm-up, averaged")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"cached / online step speed: {speedup}; vocabulary losses: {vocab_speed}; wrote {args.out}")
+    print(f"cached / online step speed: {speedup}; chunked / full vocabulary loss: {vocab_speedup}; wrote {args.out}")
     return result
 
 

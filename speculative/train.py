@@ -103,8 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help="cached: the target runs once over every pair before training; online: in every step")
         elif f.name == "vocab_loss":
             p.add_argument(flag, choices=VOCAB_LOSSES, default=value,
-                           help="chunked: logits a chunk of rows at a time, gradients made in the forward; tiled: "
-                                "the same, the corrected logits made tile by tile and never stored; full: the "
+                           help="chunked: logits a chunk of rows at a time, gradients made in the forward; full: the "
                                 "batch's logits at once with autograd (the baseline)")
         elif f.name == "heldout_pairs":
             p.add_argument(flag, default=value, help=FLAG_HELP[f.name])

@@ -18,7 +18,6 @@ import os
 import resource
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
@@ -33,7 +32,7 @@ from speculative.train_features import FeatureCache
 from speculative.vocab_loss import full_vocab_losses, vocab_losses
 
 FEATURE_MODES = ("cached", "online")
-VOCAB_LOSSES = ("chunked", "tiled", "full")
+VOCAB_LOSSES = ("chunked", "full")
 LOG_NAME = "train_log.jsonl"
 
 
@@ -76,8 +75,8 @@ class TrainConfig:
                                            # batch is then seq_len wide, one static shape
     sparse_attention: bool = False         # compiled: the training mask as a FlexAttention BlockMask, whose
                                            # fully masked tiles are skipped (else SDPA over the dense mask)
-    vocab_loss: str = "chunked"            # "chunked" or "tiled": speculative/vocab_loss.py's two kernels; "full":
-                                           # the batch's logits at once with autograd (the baseline)
+    vocab_loss: str = "chunked"            # "chunked": speculative/vocab_loss.py; "full": the batch's logits at
+                                           # once with autograd (the baseline it is measured against)
     trim_loops: bool = True                # responses that end in a loop are cut after two periods as the pairs
                                            # are read (train_data.trim_loop)
     heldout_pairs: Optional[str] = None    # jsonl of held-out pairs: every log record adds their teacher-forced
@@ -156,7 +155,7 @@ def block_losses(drafter: DominoDrafter, batch: TrainBatch, target_hidden: Tenso
     z = drafter.head.correction_inputs(hidden.view(b * a, s, -1), embed_w[path].view(b * a, s, -1).to(hidden.dtype))
     weight = torch.exp(-offsets.float() / gamma) * valid
     weight = weight / weight.sum().clamp(min=1e-6)
-    losses = full_vocab_losses if vocab_loss == "full" else partial(vocab_losses, tiled=vocab_loss == "tiled")
+    losses = vocab_losses if vocab_loss == "chunked" else full_vocab_losses
     loss, ce_final, ce_base, argmax = losses(hidden.reshape(b * a * s, -1), z.reshape(b * a * s, -1), lm_w,
                                              drafter.head.w2.weight, labels.reshape(-1), weight.reshape(-1), lam)
     with torch.no_grad():

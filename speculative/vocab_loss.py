@@ -4,15 +4,11 @@
     final = base + z @ W2.T                     the Domino head's low-rank correction (z = 0 at uncorrected slots)
     loss  = sum_rows weight * ((1 - lam) CE(final) + lam CE(base))
 
-Rows go in chunks (`chunk_rows`, ~2^28 logits a chunk); what a chunk costs in passes over its logits depends on
-the kernel (speculative/kernels/vocab_ce.py on the GPU, the same math in torch ops on the CPU):
-  chunked  base and final are made by two GEMMs and turned in place into their gradients, base's accumulating
-           final's;
-  tiled    only base is made; final is made tile by tile from it and never stored, base is turned into the
-           gradient of both cross-entropies and final's gradient is written beside it.
-Either way the gradients of hidden, z and W2 are made in the forward, so the loss's backward only scales what the
+Rows go in chunks (`chunk_rows`, ~2^28 logits a chunk): a chunk's two logit matrices are made by two GEMMs,
+turned in place into their gradients (speculative/kernels/vocab_ce.py on the GPU, torch ops on the CPU), and
+multiplied back into the gradients of hidden, z and W2 at once, so the loss's backward only scales what the
 forward kept by the incoming gradient. The GEMMs are those of the plain formulation (forward, input gradient,
-W2's gradient); what goes away is the batch's logits in memory and most passes over them.
+W2's gradient); what goes away is the float32 logits of the whole batch and the passes over them.
 """
 from __future__ import annotations
 
@@ -48,31 +44,10 @@ def cross_entropy_grad(logits: Tensor, labels: Tensor, weights: Tensor, grad: bo
     return _ce_grad_torch(logits, labels, weights, grad, acc)
 
 
-def _corrected_ce_torch(base: Tensor, z: Tensor, w2: Tensor, labels: Tensor, w_final: Tensor, w_base: Tensor,
-                        grad: bool) -> tuple:
-    """speculative.kernels.vocab_ce.corrected_cross_entropy in torch ops (the CPU): `_ce_grad_torch` on the
-    corrected logits (float32), then on the base ones accumulating their gradient."""
-    final = base.float() + (z @ w2.t()).float()
-    ce_final, argmax = _ce_grad_torch(final, labels, w_final, grad)
-    ce_base, _ = _ce_grad_torch(base, labels, w_base, grad, acc=final if grad else None)
-    if not grad:
-        return ce_final, ce_base, argmax, None, None
-    g_final = final.to(base.dtype)
-    return ce_final, ce_base, argmax, g_final, (g_final @ w2).to(z.dtype)
-
-
-def corrected_cross_entropy(base: Tensor, z: Tensor, w2: Tensor, labels: Tensor, w_final: Tensor, w_base: Tensor,
-                            grad: bool) -> tuple:
-    if base.is_cuda:
-        from speculative.kernels.vocab_ce import corrected_cross_entropy as on_gpu
-        return on_gpu(base, z, w2, labels, w_final, w_base, grad)
-    return _corrected_ce_torch(base, z, w2, labels, w_final, w_base, grad)
-
-
 class _ChunkedVocabLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, labels: Tensor, w_final: Tensor,
-                w_base: Tensor, grad: bool, chunk_rows: int, tiled: bool):
+                w_base: Tensor, grad: bool, chunk_rows: int):
         dt, n = hidden.dtype, hidden.shape[0]
         lm, proj = lm_w.to(dt), w2.to(dt)
         ce_final = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -83,18 +58,13 @@ class _ChunkedVocabLoss(torch.autograd.Function):
         for lo in range(0, n, chunk_rows):
             rows = slice(lo, min(n, lo + chunk_rows))
             base = hidden[rows] @ lm.t()
-            if tiled:
-                ce_final[rows], ce_base[rows], argmax[rows], final, g_z_rows = corrected_cross_entropy(
-                    base, z[rows], proj, labels[rows], w_final[rows], w_base[rows], grad)
-            else:
-                final = torch.addmm(base, z[rows], proj.t())
-                ce_final[rows], argmax[rows] = cross_entropy_grad(final, labels[rows], w_final[rows], grad)
-                # base's gradient plus final's: both sets of logits were made from `hidden` through the head
-                ce_base[rows], _ = cross_entropy_grad(base, labels[rows], w_base[rows], grad, acc=final)
-                g_z_rows = final @ proj if grad else None
-            if grad:                         # base: both cross-entropies' gradient; final: the corrected one's
+            final = torch.addmm(base, z[rows], proj.t())
+            ce_final[rows], argmax[rows] = cross_entropy_grad(final, labels[rows], w_final[rows], grad)
+            # base's gradient plus final's: both sets of logits were made from `hidden` through the head
+            ce_base[rows], _ = cross_entropy_grad(base, labels[rows], w_base[rows], grad, acc=final)
+            if grad:
                 torch.mm(base, lm, out=g_hidden[rows])
-                g_z[rows] = g_z_rows
+                torch.mm(final, proj, out=g_z[rows])
                 g_w2 += (final.t() @ z[rows]).float()
         ctx.save_for_backward(g_hidden, g_z, g_w2)
         ctx.w2_dtype = w2.dtype
@@ -106,7 +76,7 @@ class _ChunkedVocabLoss(torch.autograd.Function):
     def backward(ctx, g_loss: Tensor, *_):
         g_hidden, g_z, g_w2 = ctx.saved_tensors
         return (g_hidden * g_loss.to(g_hidden.dtype), g_z * g_loss.to(g_z.dtype), None,
-                (g_w2 * g_loss).to(ctx.w2_dtype), None, None, None, None, None, None)
+                (g_w2 * g_loss).to(ctx.w2_dtype), None, None, None, None, None)
 
 
 def full_vocab_losses(hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, labels: Tensor, weight: Tensor,
@@ -123,12 +93,11 @@ def full_vocab_losses(hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, label
 
 @torch.compiler.disable
 def vocab_losses(hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, labels: Tensor, weight: Tensor,
-                 lam, chunk_rows: Optional[int] = None, tiled: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 lam, chunk_rows: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """hidden [N, H], z [N, r], lm_w [V, H] (frozen), w2 [V, r], labels [N], weight [N] (each row's share of
     the loss), lam (a float or a 0-dim tensor, on any device: the base CE's share) -> (loss, CE(final) [N],
     CE(base) [N], argmax(final) [N]); only `loss` carries a gradient (to hidden, z and w2). The logits are made
-    in the autocast dtype where autocast is on (else hidden's). `tiled`: the corrected logits are never stored
-    (TrainConfig.vocab_loss "tiled"; else "chunked")."""
+    in the autocast dtype where autocast is on (else hidden's)."""
     kind = hidden.device.type
     dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
     weight = weight.float()
@@ -138,4 +107,4 @@ def vocab_losses(hidden: Tensor, z: Tensor, lm_w: Tensor, w2: Tensor, labels: Te
     hidden, z = hidden.to(dt).contiguous(), z.to(dt).contiguous()
     with torch.autocast(kind, enabled=False):
         return _ChunkedVocabLoss.apply(hidden, z, lm_w, w2, labels.contiguous(), weight * (1 - lam), weight * lam,
-                                       grad, rows, tiled)
+                                       grad, rows)

@@ -8,16 +8,14 @@ from bench.drafter_train import main, parse_config
 
 
 def test_drafter_train_reports_online_and_cached(tmp_path):
-    configs = "online:2:4,cached:2:4,cached:2:4:fullvocab,cached:2:4:tiled"
-    res = main(["--device", "cpu", "--layers", "2", "--configs", configs, "--steps", "4", "--log-every", "2",
-                "--pairs", "8", "--out", str(tmp_path / "t.json")])
-    online, cached, full, tiled = res["configs"]
+    res = main(["--device", "cpu", "--layers", "2", "--configs", "online:2:4,cached:2:4,cached:2:4:fullvocab",
+                "--steps", "4", "--log-every", "2", "--pairs", "8", "--out", str(tmp_path / "t.json")])
+    online, cached, full = res["configs"]
     assert (online["target_features"], cached["target_features"]) == ("online", "cached")
     assert all(r["step_ms"] > 0 and r["seq_tokens_per_s"] > 0 and r["windows"] == 1 for r in res["configs"])
     assert online["feature_cache_s"] is None and cached["feature_cache_s"] > 0 and cached["feature_cache_gib"] > 0
     assert set(res["cached_over_online_speed"]) == {"b2_a4"}
     assert full["vocab_loss"] == "full" and set(res["chunked_over_full_vocab_speed"]) == {"cached_2_4_False_False"}
-    assert tiled["vocab_loss"] == "tiled" and set(res["tiled_over_chunked_vocab_speed"]) == {"cached_2_4_False_False"}
     saved = json.loads((tmp_path / "t.json").read_text())
     assert saved["provenance"]["command"].startswith("python -m bench.drafter_train")
 
@@ -28,8 +26,7 @@ def test_a_configuration_names_the_compile_and_the_attention_mask():
     assert parse_config("cached:16:128:compile")["compile"] is True
     assert parse_config("cached:16:128:compile:sparse")["sparse_attention"] is True
     assert parse_config("cached:16:128:compile:fullvocab")["vocab_loss"] == "full"
-    assert parse_config("cached:16:128:compile:sparse:tiled")["vocab_loss"] == "tiled"
     for bad in ("cached:16", "cached:16:128:sparse", "cached:16:128:compile:dense", "eager:16:128",
-                "cached:16:128:compile:compile", "cached:16:128:fullvocab:tiled"):
+                "cached:16:128:compile:compile"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_config(bad)

@@ -72,9 +72,8 @@ def small_problem(seed=0):
     return drafter, batch, torch.randn(b, t, 32, generator=gen), embed, torch.randn(V, 32, generator=gen)
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "tiled"])
 @pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
-def test_chunked_loss_and_gradients_equal_the_plain_formulation(monkeypatch, lam, kernel):
+def test_chunked_loss_and_gradients_equal_the_plain_formulation(monkeypatch, lam):
     """Values, accuracy and every drafter parameter's gradient, with chunks of 7 rows (the last one partial)."""
     monkeypatch.setattr(vocab_loss, "CHUNK_ELEMENTS", 7 * V)
     drafter, batch, hidden, embed, lm = small_problem()
@@ -82,7 +81,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_formulation(monkeypatch, lam
     ref["loss"].backward()
     want = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
     drafter.zero_grad(set_to_none=True)
-    out = block_losses(drafter, batch, hidden, embed, lm, 7.0, torch.tensor(lam), vocab_loss=kernel)
+    out = block_losses(drafter, batch, hidden, embed, lm, 7.0, torch.tensor(lam))
     out["loss"].backward()
     for key in ("loss", "final", "base", "accuracy"):
         assert out[key].item() == pytest.approx(ref[key].item(), rel=1e-5, abs=1e-6), key
@@ -109,12 +108,11 @@ def test_the_full_logits_baseline_equals_the_chunked_loss():
         assert torch.allclose(grads[0][name], g, rtol=1e-4, atol=1e-6), name
 
 
-@pytest.mark.parametrize("kernel", ["chunked", "tiled"])
-def test_no_gradient_work_without_autograd(kernel):
+def test_no_gradient_work_without_autograd():
     """Under no_grad (held-out evaluation) the same figures come out and the logits are left alone."""
     drafter, batch, hidden, embed, lm = small_problem(1)
     with torch.no_grad():
-        out = block_losses(drafter, batch, hidden, embed, lm, 7.0, vocab_loss=kernel)
+        out = block_losses(drafter, batch, hidden, embed, lm, 7.0)
         ref = plain_block_losses(drafter, batch, hidden, embed, lm, 7.0, 0.0)
     assert out["final"].item() == pytest.approx(ref["final"].item(), rel=1e-5)
     assert out["accuracy"].item() == pytest.approx(ref["accuracy"].item())
@@ -144,40 +142,6 @@ def test_triton_cross_entropy_grad_equals_the_torch_ops(monkeypatch, dtype):
         assert torch.allclose(ce.cpu(), ce_ref, **tol)
         assert torch.equal(argmax.cpu(), argmax_ref) and argmax_ref[2] == 7
         assert torch.allclose(mine.cpu().float(), ref.float(), **tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_corrected_cross_entropy_equals_the_torch_ops(monkeypatch, dtype):
-    """The kernel (several row and column tiles, the last of each partial; a rank below the tensor-core minimum;
-    ties in a row go to the first index) against the CPU path: both CEs, argmax, and with `grad` the in-place
-    gradient over the base logits, the corrected one's gradient and z's."""
-    from speculative.kernels import vocab_ce
-    gen = torch.Generator().manual_seed(3)
-    n, v, r = 70, 300, 5
-    base = (3 * torch.randn(n, v, generator=gen)).to(dtype)
-    z = (0.5 * torch.randn(n, r, generator=gen)).to(dtype)
-    w2 = (0.5 * torch.randn(v, r, generator=gen)).to(dtype)
-    z[2] = 0                                                        # an uncorrected row: final = base
-    base[2, 7] = base[2, 250] = base[2].max() + 1                  # a tie: argmax is the first index
-    labels = torch.randint(0, v, (n,), generator=gen)
-    w_final, w_base = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
-    w_final[4] = 0.0
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-3, atol=4e-3)
-    monkeypatch.setattr(vocab_ce, "BN", 128)
-    for grad in (False, True):
-        mine, ref = base.clone().to(device), base.clone()
-        got = vocab_ce.corrected_cross_entropy(mine, z.to(device), w2.to(device), labels.to(device),
-                                               w_final.to(device), w_base.to(device), grad)
-        want = vocab_loss._corrected_ce_torch(ref, z, w2, labels, w_final, w_base, grad)
-        assert torch.allclose(got[0].cpu(), want[0], **tol) and torch.allclose(got[1].cpu(), want[1], **tol)
-        assert torch.equal(got[2].cpu(), want[2]) and want[2][2] == 7
-        assert torch.allclose(mine.cpu().float(), ref.float(), **tol)
-        if grad:
-            assert torch.allclose(got[3].cpu().float(), want[3].float(), **tol)
-            assert torch.allclose(got[4].cpu().float(), want[4].float(), **tol)
-        else:
-            assert got[3] is None and torch.equal(mine.cpu(), base)
 
 
 def test_block_mask_attention_equals_the_dense_mask():
