@@ -47,8 +47,10 @@ change), and the policies keep a hysteresis band of their own.
   quiet part. A request counts for the arm in force when it arrived, whenever it finishes (each request once, at the
   first trial's end that sees it finished): its wait and first token were set by that arm, and judging only those that
   finished within their trial would keep mostly the short ones. For the same reason the verdict waits `trial_rounds`
-  rounds after the last trial (phase `judge`, the arm in force kept): the last trial's slow requests, the misses,
-  finish last, and a verdict at once would judge that arm by its fast ones. A replica's first round of trials waits
+  rounds after the last trial (phase `judge`): the last trial's slow requests, the misses, finish last, and a verdict
+  at once would judge that arm by its fast ones. Requests arriving while it waits count for neither arm, so the arm
+  that leads on what was measured so far serves them (by the same rules, against the arm in force when the round
+  began, which the verdict also weighs against). A replica's first round of trials waits
   `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and what it serves then would
   favour the first arm. Where attainment shows no difference (both met the SLOs for every request, the common case
   away from overload, or differ by less than that), the prompts waiting for admission under each arm (one sample a
@@ -392,7 +394,9 @@ class AutoPolicy(ConfiguredPolicy):
             self._tally(view, state, now)
             if len(state["slots"]) < len(state["order"]):
                 self._switch(view, state, state["order"][len(state["slots"])], "trial", now)
-            else:                    # the arm in force stays while the last trials' requests finish
+            elif (lead := self._best(state, state["order"][0])) != arm:    # it serves while the last trials'
+                self._switch(view, state, lead, "judge", now)               # requests finish
+            else:
                 state.update(phase="judge", arm_rounds=0)
         elif state["phase"] == "judge" and state["arm_rounds"] >= cfg.trial_rounds:
             self._tally(view, state, now)
@@ -400,7 +404,7 @@ class AutoPolicy(ConfiguredPolicy):
             state["loads"] = {a: ({"ttft": t[2] / t[1], "itl": t[4] / t[1]} if t[1] else None)
                               for a, t in state["tally"].items()}
             state["queue"] = {a: round(w[1] / w[0], 2) for a, w in state["waiting"].items()}
-            self._switch(view, state, self._best(state, arm), "exploit", now)
+            self._switch(view, state, self._best(state, state["order"][0]), "exploit", now)
         elif state["phase"] == "exploit" and len(arms) > 1 and (
                 state["arm_rounds"] >= cfg.exploit_rounds or self._fell_behind(view, state, now)):
             self._start_trials(state, arm, arms, now)

@@ -294,14 +294,18 @@ def test_auto_judges_the_knob_not_the_traffic_drifting_under_it():
 def test_auto_credits_each_arm_with_the_prompts_that_waited_under_it(chunk_waiting, winner):
     """Every request meets both SLOs alike under both arms; at the end of each round 3 or 5 prompts wait under
     elastic and `chunk_waiting` or 2 more under chunk. Each round's queue goes to the arm in force over it: the arm
-    under which a third as many waited wins; as many (within `switch_margin`) is no verdict and elastic, in force,
-    stays; chunk keeping more waiting never wins."""
-    auto, state, now = AutoPolicy(CFG), {}, 100.0
+    under which a third as many waited wins, and already serves while the verdict waits for the last trial's
+    requests; as many (within `switch_margin`) is no verdict and elastic, in force, stays; chunk keeping more
+    waiting never wins."""
+    auto, state, now, judging = AutoPolicy(CFG), {}, 100.0, set()
     while state.get("phase") != "exploit":
         base = chunk_waiting if state.get("arm", "elastic") == "chunk" else 3
         auto.decide(view([20.0] * 3, itl_ms=[5.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off",
                          num_waiting=base + 2 * (int(now) % 2)), state, now)
+        if state["phase"] == "judge":
+            judging.add(state["arm"])
         now += 1.0
+    assert judging == {winner}              # while the verdict waits, the arm that leads so far serves
     assert state["scores"] == {"elastic": 1.0, "chunk": 1.0}
     assert state["queue"] == {"elastic": pytest.approx(4.0, abs=1.0),
                               "chunk": pytest.approx(chunk_waiting + 1, abs=1.0)}
