@@ -45,7 +45,7 @@ FLAG_HELP = {
     "trim_loops": "cut a response that ends in a loop (a block of tokens repeated up to the end: "
                   "speculative.train_data.trim_loop) after two periods of it",
     "sparse_attention": "with --compile, the training mask as a FlexAttention BlockMask: tiles it masks whole are "
-                        "skipped (default: SDPA over the dense boolean mask)",
+                        "skipped (--no-sparse-attention: SDPA over the dense boolean mask)",
     "heldout_pairs": "jsonl of held-out {prompt_ids, response_ids}: every log record adds their teacher-forced "
                      "heldout_accept_len and heldout_accuracy (--heldout-batches fixed batches per worker)"}
 
@@ -104,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         elif f.name == "vocab_loss":
             p.add_argument(flag, choices=VOCAB_LOSSES, default=value,
                            help="chunked: logits a chunk of rows at a time, gradients made in the forward; full: the "
-                                "batch's logits at once with autograd (the baseline)")
+                                "batch's logits at once with autograd, compiled; auto: full where the loss is compiled "
+                                "and a step's logits fit in a quarter of the GPU's memory, else chunked")
         elif f.name == "heldout_pairs":
             p.add_argument(flag, default=value, help=FLAG_HELP[f.name])
         else:

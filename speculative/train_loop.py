@@ -32,7 +32,9 @@ from speculative.train_features import FeatureCache
 from speculative.vocab_loss import full_vocab_losses, vocab_losses
 
 FEATURE_MODES = ("cached", "online")
-VOCAB_LOSSES = ("chunked", "full")
+VOCAB_LOSSES = ("auto", "chunked", "full")
+FULL_LOGITS_COPIES = 4            # "auto": the full loss's peak beyond the chunked one's, in a step's bf16 logits
+FULL_LOGITS_SHARE = 0.25          # "auto": the share of the device's memory those copies may take
 LOG_NAME = "train_log.jsonl"
 
 
@@ -73,10 +75,11 @@ class TrainConfig:
                                            # "online": inside every step
     compile: bool = True                   # torch.compile the drafter's loss on CUDA (ignored on the CPU); every
                                            # batch is then seq_len wide, one static shape
-    sparse_attention: bool = False         # compiled: the training mask as a FlexAttention BlockMask, whose
+    sparse_attention: bool = True          # compiled: the training mask as a FlexAttention BlockMask, whose
                                            # fully masked tiles are skipped (else SDPA over the dense mask)
-    vocab_loss: str = "chunked"            # "chunked": speculative/vocab_loss.py; "full": the batch's logits at
-                                           # once with autograd (the baseline it is measured against)
+    vocab_loss: str = "auto"               # "chunked": speculative/vocab_loss.py; "full": the batch's logits at
+                                           # once with autograd, compiled; "auto": full where the loss is compiled
+                                           # and a step's logits fit (`resolve_vocab_loss`), else chunked
     trim_loops: bool = True                # responses that end in a loop are cut after two periods as the pairs
                                            # are read (train_data.trim_loop)
     heldout_pairs: Optional[str] = None    # jsonl of held-out pairs: every log record adds their teacher-forced
@@ -212,6 +215,21 @@ class DraftLoss(nn.Module):
                             embed_w, lm_w, self.gamma, lam, self.block_mask, self.vocab_loss)
 
 
+def resolve_vocab_loss(cfg: TrainConfig, compiled: bool, drafter_cfg: DrafterConfig, device: torch.device) -> str:
+    """TrainConfig.vocab_loss with "auto" resolved. The compiled full-logits loss ran faster than the chunked one
+    (bench.drafter_train), which holds a chunk of rows' logits instead of the step's: "full" where the loss is
+    compiled on CUDA and FULL_LOGITS_COPIES of a step's bf16 logits fit in FULL_LOGITS_SHARE of the device's memory,
+    else "chunked"."""
+    if cfg.vocab_loss != "auto":
+        return cfg.vocab_loss
+    if not compiled:
+        return "chunked"
+    rows = cfg.batch_size * cfg.anchors_per_seq * drafter_cfg.block_size
+    logits_bytes = rows * drafter_cfg.vocab_size * 2
+    total = torch.cuda.get_device_properties(device).total_memory
+    return "full" if FULL_LOGITS_COPIES * logits_bytes <= FULL_LOGITS_SHARE * total else "chunked"
+
+
 class Trainer:
     """One worker's training loop. Under torch.distributed every worker runs it on its own shard of the pairs
     (its own `batcher`), `wrap` puts the loss module into DDP (`ray.train.torch.prepare_model`), and rank 0
@@ -255,7 +273,7 @@ class Trainer:
         self.heldout = self._heldout_batches(heldout)
         compiled = cfg.compile and self.device.type == "cuda"
         self.loss_module = DraftLoss(drafter, cfg.loss_decay_gamma, block_mask=compiled and cfg.sparse_attention,
-                                     vocab_loss=cfg.vocab_loss)
+                                     vocab_loss=resolve_vocab_loss(cfg, compiled, drafter.cfg, self.device))
         self.model = wrap(self.loss_module) if wrap else self.loss_module
         if compiled:
             # One shape: on the H200 (torch 2.11) a compiled run whose batch widths varied segfaulted while

@@ -156,3 +156,22 @@ def test_block_mask_attention_equals_the_dense_mask():
     s, t = drafter.cfg.block_size, batch.input_ids.shape[1]
     assert attended_pairs(batch.anchors, batch.anchor_valid, s) == \
         int(training_mask(batch.anchors, batch.anchor_valid, t, s).sum())
+
+
+def test_auto_vocab_loss_takes_the_full_logits_where_a_compiled_steps_logits_fit(monkeypatch):
+    """`--vocab-loss auto`: the full logits for a compiled loss whose step's logits (batch x anchors x slots x
+    vocabulary, bf16) fit four times in a quarter of the GPU's memory; chunked for a larger step, for an eager
+    loss, and wherever the loss is named."""
+    from types import SimpleNamespace
+
+    from speculative.train_loop import TrainConfig, resolve_vocab_loss
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
+    drafter = DrafterConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                            num_kv_heads=1, head_dim=32, target_layer_ids=(0,), block_size=16)
+    gpu = torch.device("cuda", 0)
+    step = dict(batch_size=16, anchors_per_seq=128)                    # 32,768 rows: 3 GiB of logits
+    assert resolve_vocab_loss(TrainConfig(**step), True, drafter, gpu) == "full"
+    assert resolve_vocab_loss(TrainConfig(**step), False, drafter, gpu) == "chunked"
+    assert resolve_vocab_loss(TrainConfig(batch_size=32, anchors_per_seq=128), True, drafter, gpu) == "chunked"
+    for named in ("chunked", "full"):
+        assert resolve_vocab_loss(TrainConfig(vocab_loss=named, **step), False, drafter, gpu) == named
