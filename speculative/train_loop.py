@@ -33,7 +33,7 @@ from speculative.vocab_loss import full_vocab_losses, vocab_losses
 
 FEATURE_MODES = ("cached", "online")
 VOCAB_LOSSES = ("auto", "chunked", "full")
-FULL_LOGITS_COPIES = 4            # "auto": the full loss's peak beyond the chunked one's, in a step's bf16 logits
+FULL_LOGITS_COPIES = 4            # "auto": the full loss's memory, in copies of a step's bf16 logits (a margin)
 FULL_LOGITS_SHARE = 0.25          # "auto": the share of the device's memory those copies may take
 LOG_NAME = "train_log.jsonl"
 
