@@ -14,7 +14,8 @@ A configuration is `features:batch:anchors[:compile[:sparse]][:fullvocab]` (feat
 `sparse`: a compiled loss attends through the FlexAttention block mask, `--sparse-attention`, instead of the dense
 boolean mask; `fullvocab`: the vocabulary loss on the batch's whole logits, `--vocab-loss full`, the baseline of the
 chunked one). Each runs `--steps` steps through `Trainer.train`; its first logging window (warm-up: allocator, cuDNN
-plans, the compile) is dropped and the rest averaged. Counted, as the Trainer logs them: step_ms, MFU (the
+plans, the compile) is dropped and the rest averaged, each kept under `repeats` (a window of at least 5 s on the
+GPU: `--log-every` of about 150 steps there). Counted, as the Trainer logs them: step_ms, MFU (the
 drafter's forward and backward FLOPs at each batch's longest sequence, its attention over the (query, key) pairs
 the mask lets through, over the device's bf16 dense peak; the target's forward not counted), sequence and query
 tokens per second, peak memory; for `cached`, the seconds the feature cache took to build.
@@ -89,6 +90,7 @@ def run_config(model, hf, pairs, device, spec: dict, steps: int, log_every: int,
     timed = records[1:]
     result = {**spec, "steps": steps, "windows": len(timed),
               **{k: statistics.mean(r[k] or 0.0 for r in timed) for k in KEYS},
+              "repeats": [{k: r[k] for k in KEYS} for r in timed],              # each counted window's figures
               "peak_memory_gib": records[-1]["peak_memory_gib"],
               "feature_cache_s": trainer.feature_seconds,
               "feature_cache_gib": trainer.features.nbytes / 2 ** 30 if trainer.features is not None else None,
@@ -143,7 +145,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "provenance": provenance("bench.drafter_train", argv, str(device), args.seed,
                                        warm_up=f"the first logging window ({args.log_every} steps) of each "
                                                "configuration is dropped",
-                                       counted="the Trainer's own log windows after the warm-up, averaged")}
+                                       counted="the Trainer's own log windows after the warm-up, averaged "
+                                               "(each window's figures under `repeats`)")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"cached / online step speed: {speedup}; chunked / full vocabulary loss: {vocab_speedup}; wrote {args.out}")

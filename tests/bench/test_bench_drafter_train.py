@@ -9,10 +9,12 @@ from bench.drafter_train import main, parse_config
 
 def test_drafter_train_reports_online_and_cached(tmp_path):
     res = main(["--device", "cpu", "--layers", "2", "--configs", "online:2:4,cached:2:4,cached:2:4:fullvocab",
-                "--steps", "4", "--log-every", "2", "--pairs", "8", "--out", str(tmp_path / "t.json")])
+                "--steps", "6", "--log-every", "2", "--pairs", "8", "--out", str(tmp_path / "t.json")])
     online, cached, full = res["configs"]
     assert (online["target_features"], cached["target_features"]) == ("online", "cached")
-    assert all(r["step_ms"] > 0 and r["seq_tokens_per_s"] > 0 and r["windows"] == 1 for r in res["configs"])
+    assert all(r["step_ms"] > 0 and r["seq_tokens_per_s"] > 0 and r["windows"] == 2 for r in res["configs"])
+    for r in res["configs"]:              # each counted window kept; the figure is their mean
+        assert len(r["repeats"]) == 2 and r["step_ms"] == pytest.approx(sum(w["step_ms"] for w in r["repeats"]) / 2)
     assert online["feature_cache_s"] is None and cached["feature_cache_s"] > 0 and cached["feature_cache_gib"] > 0
     assert set(res["cached_over_online_speed"]) == {"b2_a4"}
     assert full["vocab_loss"] == "full" and set(res["chunked_over_full_vocab_speed"]) == {"cached_2_4_False_False"}
