@@ -71,15 +71,15 @@ def test_a_learning_prefix_is_served_but_only_the_cold_goodput_counts_it(tmp_pat
     assert all(a[1:] != b[1:] and a[0] <= b[0] for a, b in zip(timeline, timeline[1:]))
     trials = [arm for _, arm, phase in timeline if phase == "trial"]
     assert trials == ["elastic", "chunk"] * (len(trials) // 2) + ["elastic"] * (len(trials) % 2)
-    # each round of trials' verdict, as auto made it after judging (the arm in force kept): the arm the exploit
-    # phase then ran, and both arms' scores
-    assert all(b[2] == "judge" and b[1] == a[1] for a, b in zip(timeline, timeline[1:]) if a[2] == "trial"
-               and b[2] != "trial")
+    # each round of trials' verdict, as auto made it after judging (meanwhile the arm that led so far in force):
+    # the arm the exploit phase then ran, both arms' scores and the prompts that waited under each
+    assert all(b[2] == "judge" for a, b in zip(timeline, timeline[1:]) if a[2] == "trial" and b[2] != "trial")
     chosen = [[t, arm] for (_, _, before), (t, arm, phase) in zip(timeline, timeline[1:])
               if before == "judge" and phase == "exploit"]
     choices = res["tp1"]["runs"]["auto"][0]["auto_choices"]
     assert [[c["t_s"], c["arm"]] for c in choices] == chosen
-    assert all(set(c["scores"]) <= {"elastic", "chunk"} and set(c["loads"]) == set(c["scores"]) for c in choices)
+    assert all(set(c["scores"]) <= {"elastic", "chunk"} and set(c["loads"]) == set(c["scores"])
+               and set(c["queue"]) <= {"elastic", "chunk"} for c in choices)
     assert res["tp1"]["auto_chose"] == [choices or [res["tp1"]["runs"]["auto"][0]["auto_state"]]]
     # what chunk measured per budget, under auto only from the requests that arrived while it was in force
     evidence = res["tp1"]["runs"]["auto"][0]["chunk_evidence"]
