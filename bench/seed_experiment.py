@@ -1,7 +1,7 @@
 """The seed's controlled experiment (GPU): does lending the prefill reserve pay, or does the step budget?
 
     python -m bench.seed_experiment [--shape llama3-8b] [--duration-s 30] [--policies static32768,...]
-                                    [--learn-s 0] [--repeats 2] [--max-seconds S] [--resume]
+                                    [--learn-s 0] [--repeats 2] [--max-seconds S] [--resume [--rerun auto]]
                                     [--out bench/results/seed_experiment.json]
 
 One engine of the shape (random bf16 weights, `load_format="dummy"`, elastic KV built at the high budget, prefix
@@ -34,7 +34,8 @@ running and waiting, preemptions, admission waits, tokens generated): where a po
 
 Every policy runs `--repeats` times, interleaved (repeat r starts from the r-th policy); figures are means over
 the runs, each run kept. `--max-seconds` ends a call before a run that would not fit, `--resume` continues the
-result at `--out` (same settings), so the repeats of a long trace spread over several calls.
+result at `--out` (same settings), so the repeats of a long trace spread over several calls; `--rerun` with it
+measures the policies it names again (their code changed), keeping the others' runs and the SLOs.
 """
 from __future__ import annotations
 
@@ -393,7 +394,7 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-RUN_ONLY_FLAGS = ("out", "plot", "resume", "max_seconds", "repeats")   # flags that do not change what a run measures
+RUN_ONLY_FLAGS = ("out", "plot", "resume", "rerun", "max_seconds", "repeats")   # not what a run measures
 
 
 def start_or_resume(args, argv: list[str], config: dict) -> tuple[dict, dict[str, list[dict]]]:
@@ -417,7 +418,10 @@ def start_or_resume(args, argv: list[str], config: dict) -> tuple[dict, dict[str
     if "slo" in result:
         args.ttft_slo_ms, args.itl_slo_ms = result["slo"]["ttft_ms"], result["slo"]["itl_ms"]
     result.setdefault("resumed_by", []).append(this_call)
-    return result, result_runs(result) if "tp1" in result else {}
+    runs = result_runs(result) if "tp1" in result else {}
+    for policy in args.rerun:                    # measured again: their earlier runs are dropped, the others stand
+        runs.pop(policy, None)
+    return result, runs
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -463,6 +467,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="runs of every policy, interleaved: repeat r runs the policies in turn from the r-th on")
     ap.add_argument("--resume", action="store_true",
                     help="continue the --out result of the same settings: keep its runs and SLOs, run what is missing")
+    ap.add_argument("--rerun", type=lambda s: s.split(","), default=[], metavar="POLICIES",
+                    help="with --resume: drop these policies' runs and run them again (their code changed); "
+                         "once: a later --resume without it continues them")
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="stop before a run that would end past this many seconds (a result --resume continues)")
     ap.add_argument("--plot", metavar="JSON", default=None,
@@ -478,6 +485,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         ap.error("--ttft-slo-ms and --itl-slo-ms go together (or neither: SLOs from the first policy's run)")
     if args.repeats < 1:
         ap.error("--repeats is at least 1")
+    if args.rerun and not args.resume:
+        ap.error("--rerun goes with --resume")
     args.budgets = tuple(int(x) for x in args.budgets.split(","))
     for name in ("decode_prompt_tokens", "decode_output_tokens", "long_tokens"):
         setattr(args, name, tuple(int(x) for x in getattr(args, name).split(",")))

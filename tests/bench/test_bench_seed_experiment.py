@@ -41,6 +41,15 @@ def test_first_policy_sets_the_slos_every_policy_is_judged_by_and_a_resumed_run_
         assert goodput["goodput_repeats"] == [r["goodput"] for r in pair]
         assert goodput["goodput"] == pytest.approx(sum(goodput["goodput_repeats"]) / 2, abs=1e-4)
     assert len(more["tp1"]["auto_goodput_vs_best_static_repeats"]) == 2
+    # auto measured again (its code changed): its runs replaced, every other run and the SLOs kept
+    again = main(args + ["--repeats", "2", "--resume", "--rerun", "auto"])
+    assert again["slo"] == slo and len(again["resumed_by"]) == 2
+    assert [r["repeat"] for r in again["tp1"]["runs"]["auto"]] == [0, 1]
+    assert again["tp1"]["runs"]["auto"] != json.loads(json.dumps(more["tp1"]["runs"]["auto"]))
+    for name in ("static512", "static128"):
+        assert again["tp1"]["runs"][name] == json.loads(json.dumps(more["tp1"]["runs"][name]))
+    with pytest.raises(SystemExit):
+        main(args + ["--rerun", "auto"])                # --rerun only continues a result
     with pytest.raises(SystemExit):                     # other settings: not the same experiment
         main(args + ["--repeats", "2", "--resume", "--decode-rate", "2"])
 
