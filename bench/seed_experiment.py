@@ -64,6 +64,7 @@ from replicas.engine import LLMEngine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # a run's `rounds`: the engine at each controller round (counters since the run's start), every policy alike
+AUTO_VERDICT = ("scores", "loads", "queue")     # what auto's state says of each arm after a round of trials
 ROUND_COLUMNS = ("t_s", "max_num_batched_tokens", "elastic", "kv_blocks_total", "kv_usage", "running", "waiting",
                  "preemptions", "kv_admission_waits", "generation_tokens")
 
@@ -183,7 +184,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
                 if policy == "auto" and (not auto_timeline or auto_timeline[-1][1:] != arm_phase):
                     if arm_phase[1] == "exploit" and auto_timeline and auto_timeline[-1][2] == "judge":
                         auto_choices.append({"t_s": round(now - start, 2), "arm": arm_phase[0],
-                                             **{k: fleet.state.get(k) for k in ("scores", "loads", "queue")}})
+                                             **{k: fleet.state.get(k) for k in AUTO_VERDICT}})
                     auto_timeline.append([round(now - start, 2), *arm_phase])
             next_tick = now + args.interval_s
         if now - start > args.learn_s + args.duration_s + args.drain_s:
@@ -235,7 +236,7 @@ def run_policy(engine: LLMEngine, policy: str, trace: list[Arrival], args, vocab
             "budget_final": after.max_num_batched_tokens, "budget_median": statistics.median(budgets or [0]),
             "elastic_final": after.elastic_mode, "granted_final": after.reserve_granted_blocks,
             "decisions": decisions,
-            "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", "scores", "loads", "queue")}
+            "auto_state": {k: fleet.state.get(k) for k in ("arm", "phase", *AUTO_VERDICT)}
             if policy == "auto" else None,
             "auto_timeline": auto_timeline if policy == "auto" else None,   # [t, arm, phase] on change
             "auto_choices": auto_choices if policy == "auto" else None,       # each round of trials' verdict
