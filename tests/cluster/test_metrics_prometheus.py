@@ -410,6 +410,16 @@ def event_load(openai, base_url: str) -> int:
     for _ in range(2):
         received += client.completions.create(model=model, prompt="A number:", max_tokens=24, temperature=0,
                                               extra_body={"response_format": STRUCTURED}).usage.completion_tokens
+    # The chunk controller judges a budget on `min_requests` requests that arrived under it within `window_s`: on
+    # a slow machine the load's requests age out of that window before enough of them finish, so short requests
+    # follow until it has raised the budget to its limit.
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while replica_stats(base_url)[0]["stats"]["max_num_batched_tokens"] < EVENTS_BUDGET:
+        assert time.monotonic() < deadline, f"the chunk controller never raised the budget to {EVENTS_BUDGET}"
+        with ThreadPoolExecutor(max_workers=EVENTS_MAX_SEQS) as pool:
+            received += sum(pool.map(complete, [f"Count to {i}:" for i in range(EVENTS_MAX_SEQS)],
+                                     [2] * EVENTS_MAX_SEQS))
+        time.sleep(1)
     stats = replica_stats(base_url)[0]["stats"]
     happened = {k: stats[k] for k in ("spec_accepted_tokens", "preemptions", "reclaim_total", "blocks_migrated",
                                       "elastic_preemptions", "spec_constrained_plain", "grammar_cache_hits",
