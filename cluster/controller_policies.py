@@ -40,11 +40,13 @@ change), and the policies keep a hysteresis band of their own.
   after `exploit_rounds`, or sooner once the requests arriving under the arm in force (over `window_s`) measure worse
   than the other arm's did in its trials (by `retrial_z` standard errors: that check repeats every round), the exploit
   phase having lasted as long as the round of trials (the traffic has changed: only a new round measures both arms on
-  the same traffic, and at most half the time goes to trials). A round of trials runs the arms in the order A B B A,
-  `trial_cycles` times, A being the arm in force (for the first round `elastic`, whose neutral setting, the full
-  budget, is the state an engine starts in), and pools each arm's trials: traffic that drifts across the round (a
-  backlog building, a busy stretch) then weighs on both arms alike instead of favouring whichever ran first or in the
-  quiet part. A request counts for the arm in force when it arrived, whenever it finishes (each request once, at the
+  the same traffic, and at most half the time goes to trials). A round of trials runs the arms in cycles A B B A, up
+  to `trial_cycles` of them: the first led by the arm in force (for the first round `elastic`, whose neutral setting,
+  the full budget, is the state an engine starts in), each later one by the arm that leads so far, so the round ends
+  on the leader (the backlog the trials leave is the leader's to clear, and each arm's trials follow the other's about
+  as often), and none later once one arm measured better than the other by `retrial_z` standard errors. It pools each
+  arm's trials, whole cycles only: traffic that drifts across the round (a backlog building, a busy stretch) then
+  weighs on both arms alike instead of favouring whichever ran first or in the quiet part. A request counts for the arm in force when it arrived, whenever it finishes (each request once, at the
   first trial's end that sees it finished): its wait and first token were set by that arm, and judging only those that
   finished within their trial would keep mostly the short ones. For the same reason the verdict waits `trial_rounds`
   rounds after the last trial (phase `judge`): the last trial's slow requests, the misses, finish last, and a verdict
@@ -392,6 +394,8 @@ class AutoPolicy(ConfiguredPolicy):
         elif state["phase"] == "trial" and state["arm_rounds"] >= cfg.trial_rounds:
             state["slots"].append([state["entered_at"], now, arm])
             self._tally(view, state, now)
+            if len(state["slots"]) == len(state["order"]):
+                self._next_cycle(state, arms)
             if len(state["slots"]) < len(state["order"]):
                 self._switch(view, state, state["order"][len(state["slots"])], "trial", now)
             elif (lead := self._best(state, state["order"][0])) != arm:    # it serves while the last trials'
@@ -415,12 +419,28 @@ class AutoPolicy(ConfiguredPolicy):
         return neutral or self.arms[state["arm"]].decide(view, state, now)
 
     def _start_trials(self, state: dict, in_force: str, arms: list[str], now: float, settle: bool = False) -> None:
-        """A round of trials in the order A B B A, `trial_cycles` times (A the arm in force; with `settle`, after
-        `trial_rounds` rounds of A not counted), or the one arm there is, kept."""
-        others = [a for a in arms if a != in_force]
-        order = [in_force, *others, *reversed(others), in_force] * self.cfg.trial_cycles if others else [in_force]
+        """A round of trials: its first cycle A B B A (A the arm in force; with `settle`, after `trial_rounds`
+        rounds of A not counted; `_next_cycle` adds the others), or the one arm there is, kept."""
+        order = self._cycle(in_force, arms)
         state.update(tally={}, waiting={}, scores={}, loads={}, queue={}, order=order, slots=[], tallied_at=now)
-        self._enter(state, in_force, ("settle" if settle else "trial") if others else "exploit", now)
+        self._enter(state, in_force, ("settle" if settle else "trial") if len(order) > 1 else "exploit", now)
+
+    @staticmethod
+    def _cycle(lead: str, arms: list[str]) -> list[str]:
+        others = [a for a in arms if a != lead]
+        return [lead, *others, *reversed(others), lead] if others else [lead]
+
+    def _next_cycle(self, state: dict, arms: list[str]) -> None:
+        """After a cycle of trials, the next of `trial_cycles`, led by the arm that leads so far (the round then
+        ends on it, so the backlog the trials leave is the leader's to clear, and each arm follows the other about
+        as often: a backlog one leaves falls on the other's trials alike), unless one arm already measured better
+        than the other by `retrial_z` standard errors (stricter than the verdict's: the look repeats each cycle).
+        Whole cycles keep the pooled trials balanced against traffic that drifts across the round."""
+        cycles = len(state["order"]) // len(self._cycle(arms[0], arms))
+        z = self.cfg.retrial_z
+        if cycles >= self.cfg.trial_cycles or any(self._best(state, a, z) != a for a in arms):
+            return
+        state["order"] += self._cycle(self._best(state, state["order"][0]), arms)
 
     def _tally(self, view: ReplicaView, state: dict, now: float) -> None:
         """Credit each arm with the requests that arrived in its trials and finished since the last tally (so each
@@ -447,15 +467,16 @@ class AutoPolicy(ConfiguredPolicy):
             state["resume_budget"] = view.stats.max_num_batched_tokens
         self._enter(state, arm, phase, now)
 
-    def _best(self, state: dict, in_force: str) -> str:
-        """The arm in force, unless another measured better (`_better`) over the round of trials, each with at least
-        `min_requests` requests: noise between two equally good arms changes nothing."""
+    def _best(self, state: dict, in_force: str, z: Optional[float] = None) -> str:
+        """The arm in force, unless another measured better (`_better`, by `z` or `arm_evidence_z` standard errors)
+        over the round of trials, each with at least `min_requests` requests: noise between two equally good arms
+        changes nothing."""
         tally = {a: t for a, t in state["tally"].items() if t[1] >= self.cfg.min_requests}
         waiting = {a: w for a, w in state.get("waiting", {}).items() if w[0] >= 2}
         best = in_force
         for arm, theirs in tally.items():
             mine = tally.get(best)
-            if arm != best and mine is not None and self._better(mine, theirs, self.cfg.arm_evidence_z,
+            if arm != best and mine is not None and self._better(mine, theirs, z or self.cfg.arm_evidence_z,
                                                                  waiting.get(best), waiting.get(arm)):
                 best = arm
         return best

@@ -312,6 +312,32 @@ def test_auto_credits_each_arm_with_the_prompts_that_waited_under_it(chunk_waiti
     assert state["arm"] == winner
 
 
+@pytest.mark.parametrize("chunk_waiting, order, winner", [
+    ((1, 3), ["elastic", "chunk", "chunk", "elastic"], "chunk"),
+    ((2, 3), ["elastic", "chunk", "chunk", "elastic", "chunk", "elastic", "elastic", "chunk"], "chunk"),
+    ((3, 5), ["elastic", "chunk", "chunk", "elastic"] * 2, "elastic")])
+def test_auto_leads_each_later_cycle_of_trials_with_the_arm_ahead_and_stops_once_one_is_clearly_better(
+        chunk_waiting, order, winner):
+    """Two cycles of trials at most; every request meets both SLOs alike, the prompts waiting at the end of each
+    trial round alternate 3, 5 under elastic and `chunk_waiting` under chunk. 1 or 3 waiting puts chunk ahead by
+    more than `retrial_z` standard errors after the first cycle: no second cycle. 2 or 3 puts it ahead by less: the
+    second cycle is led by chunk, so the round of trials ends on it, and it wins. As many as under elastic: the
+    second cycle is led by elastic, in force, which stays."""
+    auto, state, now, judging = AutoPolicy(replace(CFG, trial_cycles=2)), {}, 100.0, set()
+    samples = {"elastic": 0, "chunk": 0}
+    while state.get("phase") != "exploit":
+        arm = state.get("arm", "elastic")
+        waiting = (chunk_waiting if arm == "chunk" else (3, 5))[samples[arm] % 2]
+        samples[arm] += state.get("phase") == "trial"
+        auto.decide(view([20.0] * 3, itl_ms=[5.0] * 3, at=now - 0.5, budget=1024, elastic_mode="off",
+                         num_waiting=waiting), state, now)
+        if state["phase"] == "judge":
+            judging.add(state["arm"])
+        now += 1.0
+    assert state["order"] == order
+    assert judging == {winner} and state["arm"] == winner
+
+
 @pytest.mark.parametrize("chunk_itl_s, winner", [(0.042, "chunk"), (0.060, "elastic")])
 def test_auto_takes_a_verdict_from_the_prompts_waiting_where_the_slo_gaps_are_within_the_noise(chunk_itl_s, winner):
     """The seed experiment's trials on the GPU, in shape: elastic (in force, the full budget) met both SLOs for all
@@ -356,11 +382,11 @@ def test_auto_credits_a_trial_only_with_the_requests_that_arrived_in_it():
 def test_auto_credits_a_request_to_the_arm_it_arrived_under_whenever_it_finishes():
     """A request that arrived in the elastic trial and finished in the chunk trial after it counts for elastic, at
     the first tally that sees it finished (no request is counted twice); one that arrived in the chunk trial counts
-    for chunk. Trials of `trial_cycles` A B B A cycles."""
+    for chunk. Trials of `trial_cycles` A B B A cycles, the first led by the arm in force."""
     auto, t0 = AutoPolicy(replace(CFG, trial_cycles=2)), 100.0
     state = {}
     auto.decide(view([], budget=1024, elastic_mode="off"), state, t0 - CFG.trial_rounds)
-    assert state["order"] == ["elastic", "chunk", "chunk", "elastic"] * 2
+    assert state["order"] == ["elastic", "chunk", "chunk", "elastic"]
     state.update(phase="trial", arm_rounds=CFG.trial_rounds - 1, entered_at=t0, tallied_at=t0)
     assert auto.decide(view([], budget=1024, elastic_mode="off"), state, t0 + 3.0) == [] and state["arm"] == "chunk"
     done = view([300.0, 20.0], budget=1024, elastic_mode="off")
