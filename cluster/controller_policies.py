@@ -46,9 +46,10 @@ change), and the policies keep a hysteresis band of their own.
   on the leader (the backlog the trials leave is the leader's to clear, and each arm's trials follow the other's about
   as often), and none later once one arm measured better than the other by `retrial_z` standard errors. It pools each
   arm's trials, whole cycles only: traffic that drifts across the round (a backlog building, a busy stretch) then
-  weighs on both arms alike instead of favouring whichever ran first or in the quiet part. A request counts for the arm in force when it arrived, whenever it finishes (each request once, at the
-  first trial's end that sees it finished): its wait and first token were set by that arm, and judging only those that
-  finished within their trial would keep mostly the short ones. For the same reason the verdict waits `trial_rounds`
+  weighs on both arms alike instead of favouring whichever ran first or in the quiet part. A request counts for the arm
+  in force when it arrived, whenever it finishes (each request once, at the first trial's end that sees it finished):
+  its wait and first token were set by that arm, and judging only those that finished within their trial would keep
+  mostly the short ones. For the same reason the verdict waits `trial_rounds`
   rounds after the last trial (phase `judge`): the last trial's slow requests, the misses, finish last, and a verdict
   at once would judge that arm by its fast ones. Requests arriving while it waits count for neither arm, so the arm
   that leads on what was measured so far serves them (by the same rules, against the arm in force when the round
@@ -431,11 +432,9 @@ class AutoPolicy(ConfiguredPolicy):
         return [lead, *others, *reversed(others), lead] if others else [lead]
 
     def _next_cycle(self, state: dict, arms: list[str]) -> None:
-        """After a cycle of trials, the next of `trial_cycles`, led by the arm that leads so far (the round then
-        ends on it, so the backlog the trials leave is the leader's to clear, and each arm follows the other about
-        as often: a backlog one leaves falls on the other's trials alike), unless one arm already measured better
-        than the other by `retrial_z` standard errors (stricter than the verdict's: the look repeats each cycle).
-        Whole cycles keep the pooled trials balanced against traffic that drifts across the round."""
+        """After a cycle of trials, the next of `trial_cycles`, led by the arm that leads so far, unless one arm
+        already measured better than the other by `retrial_z` standard errors (stricter than the verdict: the look
+        repeats each cycle). Whole cycles keep the pooled trials balanced against drift."""
         cycles = len(state["order"]) // len(self._cycle(arms[0], arms))
         z = self.cfg.retrial_z
         if cycles >= self.cfg.trial_cycles or any(self._best(state, a, z) != a for a in arms):
@@ -473,11 +472,10 @@ class AutoPolicy(ConfiguredPolicy):
         changes nothing."""
         tally = {a: t for a, t in state["tally"].items() if t[1] >= self.cfg.min_requests}
         waiting = {a: w for a, w in state.get("waiting", {}).items() if w[0] >= 2}
-        best = in_force
+        best, z = in_force, self.cfg.arm_evidence_z if z is None else z
         for arm, theirs in tally.items():
             mine = tally.get(best)
-            if arm != best and mine is not None and self._better(mine, theirs, z or self.cfg.arm_evidence_z,
-                                                                 waiting.get(best), waiting.get(arm)):
+            if arm != best and mine is not None and self._better(mine, theirs, z, waiting.get(best), waiting.get(arm)):
                 best = arm
         return best
 
