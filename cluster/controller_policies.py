@@ -435,7 +435,7 @@ class AutoPolicy(ConfiguredPolicy):
         """After a cycle of trials, the next of `trial_cycles`, led by the arm that leads so far, unless one arm
         already measured better than the other by `retrial_z` standard errors (stricter than the verdict: the look
         repeats each cycle). Whole cycles keep the pooled trials balanced against drift."""
-        cycles = len(state["order"]) // len(self._cycle(arms[0], arms))
+        cycles = len(state["order"]) // (2 * len(arms))          # a cycle runs each arm twice
         z = self.cfg.retrial_z
         if cycles >= self.cfg.trial_cycles or any(self._best(state, a, z) != a for a in arms):
             return
