@@ -37,40 +37,39 @@ change), and the policies keep a hysteresis band of their own.
   neutral setting: lending off under `chunk`, the full budget under `elastic`), keeps the one whose requests met both
   SLOs more often by more than `arm_evidence_z` standard errors of the difference, corrected for continuity
   (`attainment_compared`: trials' few dozen requests differing by two or three, long prompts a little past the ITL
-  SLO, is noise, not a verdict), and measures again
-  after `exploit_rounds`, or sooner once the requests arriving under the arm in force (over `window_s`) measure worse
-  than the other arm's did in its trials (by `retrial_z` standard errors: that check repeats every round), the exploit
-  phase having lasted as long as the round of trials (the traffic has changed: only a new round measures both arms on
-  the same traffic, and at most half the time goes to trials). A round of trials runs the arms in cycles A B B A, up
-  to `trial_cycles` of them: the first led by the arm in force (for the first round `elastic`, whose neutral setting,
-  the full budget, is the state an engine starts in), each later one by the arm that leads so far, so the round ends
-  on the leader (the backlog the trials leave is the leader's to clear, and each arm's trials follow the other's about
-  as often), and none later once one arm measured better than the other by `retrial_z` standard errors. It pools each
-  arm's trials, whole cycles only: traffic that drifts across the round (a backlog building, a busy stretch) then
-  weighs on both arms alike instead of favouring whichever ran first or in the quiet part. A request counts for the arm
-  in force when it arrived, whenever it finishes (each request once, at the first trial's end that sees it finished):
-  its wait and first token were set by that arm, and judging only those that finished within their trial would keep
-  mostly the short ones. For the same reason the verdict waits `trial_rounds`
-  rounds after the last trial (phase `judge`): the last trial's slow requests, the misses, finish last, and a verdict
-  at once would judge that arm by its fast ones. Requests arriving while it waits count for neither arm, so the arm
-  that leads on what was measured so far serves them (by the same rules, against the arm in force when the round
-  began, which the verdict also weighs against). A replica's first round of trials waits
-  `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and what it serves then would
-  favour the first arm. Where attainment shows no difference (both met the SLOs for every request, the common case
-  away from overload, or differ by less than that), the prompts waiting for admission under each arm (one sample a
-  trial round, `waiting`) decide next: an arm under which fewer waited on average, by more than `switch_margin` and
-  `arm_evidence_z` standard errors, while its requests ran no closer to either SLO, wins (one under which more waited
-  does not). Below capacity no prompt waits long under either arm; where one arm leaves the engine short (a KV pool
-  too small for the load, a step budget too small for the prompts) its queue grows, and the backlog reaches the SLOs
-  only after the trials, in first tokens that come late to the prompts that arrive later. Failing that, the arm
-  whose requests kept further from one SLO and no closer to the other wins: its mean TTFT / TTFT SLO or mean
-  inter-token latency / ITL SLO lower than the arm in force's by more than `switch_margin` (relatively) and by more
-  than `arm_evidence_z` standard errors, and the other mean not higher by as much; otherwise the arm in force stays.
-  Each SLO on its own, because a backlog building under one arm shows in its first tokens while its decodes'
-  inter-token latency stays put: the larger of the two ratios per request would hide it for as long as the decodes ran
-  closer to their SLO. It decides from what it measured, never from a default belief about which knob pays. `chunk`
-  re-entering resumes at the budget it left, and its evidence counts only the requests that arrived while it was in
-  force, across its trials, so its trials measure its setting and carry its descent to it on.
+  SLO, is noise, not a verdict), and measures again after `exploit_rounds`, or sooner once the requests arriving
+  under the arm in force (over `window_s`) measure worse than the other arm's did in its trials (by `retrial_z`
+  standard errors: that check repeats every round), the exploit phase having lasted as long as the round of trials
+  (the traffic has changed: only a new round measures both arms on the same traffic, and at most half the time goes
+  to trials). A round of trials runs the arms in cycles A B B A, up to `trial_cycles` of them: the first led by the
+  arm in force (for the first round `elastic`, whose neutral setting, the full budget, is the state an engine starts
+  in), each later one by the arm that leads so far, so the round ends on the leader (the backlog the trials leave is
+  the leader's to clear, and each arm's trials follow the other's about as often), and none later once one arm
+  measured better than the other by `retrial_z` standard errors. It pools each arm's trials, whole cycles only:
+  traffic that drifts across the round (a backlog building, a busy stretch) then weighs on both arms alike instead of
+  favouring whichever ran first or in the quiet part. A request counts for the arm in force when it arrived, whenever
+  it finishes (each request once, at the first trial's end that sees it finished): its wait and first token were set
+  by that arm, and judging only those that finished within their trial would keep mostly the short ones. For the same
+  reason the verdict waits `trial_rounds` rounds after the last trial (phase `judge`): the last trial's slow
+  requests, the misses, finish last, and a verdict at once would judge that arm by its fast ones. Requests arriving
+  while it waits count for neither arm, so the arm that leads on what was measured so far serves them (by the same
+  rules, against the arm in force when the round began, which the verdict also weighs against). A replica's first
+  round of trials waits `trial_rounds` rounds (phase `settle`): an engine that just started is filling up, and what
+  it serves then would favour the first arm. Where attainment shows no difference (both met the SLOs for every
+  request, the common case away from overload, or differ by less than that), the prompts waiting for admission under
+  each arm (one sample a trial round, `waiting`) decide next: an arm under which fewer waited on average, by more
+  than `switch_margin` and `arm_evidence_z` standard errors, while its requests ran no closer to either SLO, wins
+  (one under which more waited does not). Below capacity no prompt waits long under either arm; where one arm leaves
+  the engine short (a KV pool too small for the load, a step budget too small for the prompts) its queue grows, and
+  the backlog reaches the SLOs only after the trials, in first tokens that come late to the prompts that arrive
+  later. Failing that, the arm whose requests kept further from one SLO and no closer to the other wins: its mean
+  TTFT / TTFT SLO or mean inter-token latency / ITL SLO lower than the arm in force's by more than `switch_margin`
+  (relatively) and by more than `arm_evidence_z` standard errors, and the other mean not higher by as much; otherwise
+  the arm in force stays. Each SLO on its own, because a backlog building under one arm shows in its first tokens
+  while its decodes' inter-token latency stays put: the larger of the two ratios per request would hide it for as
+  long as the decodes ran closer to their SLO. It decides from what it measured, never from a default belief about
+  which knob pays. `chunk` re-entering resumes at the budget it left, and its evidence counts only the requests that
+  arrived while it was in force, across its trials, so its trials measure its setting and carry its descent to it on.
 """
 from __future__ import annotations
 
@@ -194,8 +193,7 @@ def attainment_compared(mine: tuple, theirs: tuple, z: float, continuity: bool =
     more often, -1 less often, by more than `z` standard errors of the difference; 0 no difference shown; None no
     spread to judge by (all met, or none did, on both sides). With `continuity`, the difference is first moved
     half a request of each side towards zero (Yates): the normal approximation of a few misses among dozens of
-    requests overstates its significance (three misses in 52 against none in 68 read as 2.0 standard errors,
-    where Fisher's exact test gives p = 0.08), and a test that claims its level needs the correction."""
+    requests overstates their significance, and a test that claims its level needs the correction."""
     (met_a, n_a), (met_b, n_b) = mine[:2], theirs[:2]
     pooled = (met_a + met_b) / (n_a + n_b)
     se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n_a + 1.0 / n_b))
