@@ -102,6 +102,26 @@ def run_config(model, hf, pairs, device, spec: dict, steps: int, log_every: int,
     return result
 
 
+def report(rows: list[dict], device: torch.device, hf, args: argparse.Namespace, argv: list[str]) -> dict:
+    """The result over the configurations run so far, with the speed ratios between those that pair up."""
+    by = {(r["target_features"], r["batch_size"], r["anchors_per_seq"], r["compile"]): r for r in rows
+          if not r["sparse_attention"] and r["vocab_loss"] == "chunked"}
+    speedup = {f"b{b}_a{a}{'_compiled' if c else ''}": by[("online", b, a, c)]["step_ms"] / r["step_ms"]
+               for (f, b, a, c), r in by.items() if f == "cached" and ("online", b, a, c) in by}
+    setting = ("target_features", "batch_size", "anchors_per_seq", "compile", "sparse_attention")
+    chunked = {tuple(r[k] for k in setting): r for r in rows if r["vocab_loss"] == "chunked"}
+    vocab_speedup = {"_".join(str(v) for v in key): r["step_ms"] / chunked[key]["step_ms"]
+                     for r in rows if r["vocab_loss"] == "full" and (key := tuple(r[k] for k in setting)) in chunked}
+    return {"device": str(device), "target": f"{SHAPE} shape (bench.shapes), random weights",
+            "target_layers": hf.num_hidden_layers, "pairs": args.pairs, "configs": rows,
+            "cached_over_online_speed": speedup, "chunked_over_full_vocab_speed": vocab_speedup, "method": __doc__,
+            "provenance": provenance("bench.drafter_train", argv, str(device), args.seed,
+                                     warm_up=f"the first logging window ({args.log_every} steps) of each "
+                                             "configuration is dropped",
+                                     counted="the Trainer's own log windows after the warm-up, averaged "
+                                             "(each window's figures under `repeats`)")}
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench.drafter_train", description=__doc__.split("\n")[0])
@@ -131,25 +151,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
         print(f"{row['target_features']:>6} b{row['batch_size']} A{row['anchors_per_seq']}{kind}: "
               f"{row['step_ms']:8.1f} ms/step  mfu {mfu}  {row['seq_tokens_per_s']:,.0f} seq tok/s  "
               f"{row['query_tokens_per_s']:,.0f} query tok/s", flush=True)
-    by = {(r["target_features"], r["batch_size"], r["anchors_per_seq"], r["compile"]): r for r in rows
-          if not r["sparse_attention"] and r["vocab_loss"] == "chunked"}
-    speedup = {f"b{b}_a{a}{'_compiled' if c else ''}": by[("online", b, a, c)]["step_ms"] / r["step_ms"]
-               for (f, b, a, c), r in by.items() if f == "cached" and ("online", b, a, c) in by}
-    setting = ("target_features", "batch_size", "anchors_per_seq", "compile", "sparse_attention")
-    chunked = {tuple(r[k] for k in setting): r for r in rows if r["vocab_loss"] == "chunked"}
-    vocab_speedup = {"_".join(str(v) for v in key): r["step_ms"] / chunked[key]["step_ms"]
-                     for r in rows if r["vocab_loss"] == "full" and (key := tuple(r[k] for k in setting)) in chunked}
-    result = {"device": str(device), "target": f"{SHAPE} shape (bench.shapes), random weights",
-              "target_layers": hf.num_hidden_layers, "pairs": args.pairs, "configs": rows,
-              "cached_over_online_speed": speedup, "chunked_over_full_vocab_speed": vocab_speedup, "method": __doc__,
-              "provenance": provenance("bench.drafter_train", argv, str(device), args.seed,
-                                       warm_up=f"the first logging window ({args.log_every} steps) of each "
-                                               "configuration is dropped",
-                                       counted="the Trainer's own log windows after the warm-up, averaged "
-                                               "(each window's figures under `repeats`)")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"cached / online step speed: {speedup}; chunked / full vocabulary loss: {vocab_speedup}; wrote {args.out}")
+        result = report(rows, device, hf, args, argv)
+        args.out.parent.mkdir(parents=True, exist_ok=True)      # after every configuration: a cut run keeps them
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"cached / online step speed: {result['cached_over_online_speed']}; chunked / full vocabulary loss: "
+          f"{result['chunked_over_full_vocab_speed']}; wrote {args.out}")
     return result
 
 

@@ -32,3 +32,21 @@ def test_a_configuration_names_the_compile_and_the_attention_mask():
                 "cached:16:128:compile:compile"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_config(bad)
+
+
+def test_a_run_cut_after_its_first_configuration_keeps_that_configuration(tmp_path, monkeypatch):
+    import bench.drafter_train as bench
+    run_config, runs = bench.run_config, []
+
+    def cut_at_the_second(*args):
+        if runs:
+            raise KeyboardInterrupt      # what a device call's time limit does to the process
+        runs.append(1)
+        return run_config(*args)
+    monkeypatch.setattr(bench, "run_config", cut_at_the_second)
+    out = tmp_path / "t.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--device", "cpu", "--layers", "2", "--configs", "cached:2:4,online:2:4", "--steps", "4",
+              "--log-every", "2", "--pairs", "8", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert [r["target_features"] for r in saved["configs"]] == ["cached"]
