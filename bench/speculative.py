@@ -51,7 +51,8 @@ from bench.projection import projection
 from bench.provenance import provenance, repo_path
 from bench.round_cost import MIN_ROUNDS, RoundLog, breakdown, round_cost
 from bench.shapes import SHAPES
-from bench.speculative_report import Run, build_report, format_table, round_overhead, temp_key
+from bench.speculative_report import (Run, build_report, format_table, outputs_equal_plain,
+                                     round_overhead, temp_key)
 from bench.tree_builder import builder_identity, time_tree_build
 from speculative.train_loop import LOG_NAME, last_log_record
 
@@ -496,6 +497,7 @@ def keep_other_modes(report: dict, out: str, modes: tuple[str, ...]) -> None:
     if kept:
         report["kept_modes"] = kept
         report["round_overhead_ms"] = round_overhead(report)
+        report["outputs_equal_plain"] = outputs_equal_plain(report)
 
 
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:

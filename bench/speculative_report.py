@@ -151,6 +151,7 @@ def build_report(cfg: ReportConfig, results: dict, greedy: dict, drafter: Option
             report[mode]["forced"]["round"] = results[mode].get("round")
             report[mode]["forced"]["round_breakdown"] = results[mode].get("round_breakdown")
     report["round_overhead_ms"] = round_overhead(report)
+    report["outputs_equal_plain"] = outputs_equal_plain(report)
     report.update(tree_sections(cfg, {m: results[m].get("tree_build") for m in cfg.modes}, identity))
     return report
 
@@ -171,6 +172,20 @@ def round_overhead(report: dict) -> Optional[dict]:
         seen = [per_batch[b]["overhead_ms"] for per_batch in by_temp.values() if b in per_batch]
         worst[b] = None if None in seen else max(seen)
     return worst
+
+
+def outputs_equal_plain(report: dict) -> dict:
+    """mode -> the smallest share of T=0 requests equal to plain decoding (near-tie rule) over the batch sizes,
+    from the forced run where there is one (the policy may not speculate at all), for every mode section in the
+    report (measured now or kept by --update); null for a mode whose T=0 was not run."""
+    out = {}
+    for mode in ("dominotree", "chain", "ddtree"):
+        section = report.get(mode)
+        if not section:
+            continue
+        t0 = (section.get("forced") or section).get("t0")
+        out[mode] = min(t0["outputs_equal_plain"].values(), default=None) if t0 else None
+    return out
 
 
 def tree_sections(cfg: ReportConfig, builds: dict[str, Optional[dict]], identity: dict) -> dict:

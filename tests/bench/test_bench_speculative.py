@@ -85,6 +85,10 @@ def test_json_has_every_key(bench):
             assert host["round:step"] > host["round:propose"] + host["round:forward"] + host["round:apply"]
     assert set(report["round_overhead_ms"]) == {"b1", "b2"}
     assert report["round_overhead_ms"]["b1"] == report["dominotree"]["forced"]["round"]["t0"]["b1"]["overhead_ms"]
+    # per mode, the forced run's smallest T=0 share over the batch sizes: where speculation really ran
+    assert report["outputs_equal_plain"] == {m: min(report[m]["forced"]["t0"]["outputs_equal_plain"].values())
+                                             for m in ("dominotree", "chain", "ddtree") if m in report}
+    assert report["outputs_equal_plain"]["dominotree"] == 1.0
 
 
 def test_projection_combines_costs_at_the_target_shape_with_this_runs_tau(bench):
@@ -193,6 +197,7 @@ def test_update_keeps_the_modes_not_measured_with_their_provenance(bench, tmp_pa
     out.write_text(json.dumps(report))
     keep_other_modes(chain_only, str(out), ("chain",))
     assert chain_only["round_overhead_ms"]["b1"] == report["round_overhead_ms"]["b1"] != 0.1
+    assert chain_only["outputs_equal_plain"]["dominotree"] == report["outputs_equal_plain"]["dominotree"]
 
 
 def test_train_section_reads_the_drafters_own_log(tmp_path):
