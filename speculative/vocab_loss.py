@@ -4,13 +4,11 @@
     final = base + z @ W2.T                     the Domino head's low-rank correction (z = 0 at uncorrected slots)
     loss  = sum_rows weight * ((1 - lam) CE(final) + lam CE(base))
 
-Rows go in chunks (`chunk_rows`, ~2^30 logits a chunk): a chunk's base logits are made by one GEMM; one pass
-(`pair_cross_entropy_grad`: speculative/kernels/vocab_ce.py on the GPU, torch ops on the CPU) takes both
-cross-entropies and turns the base logits into the gradient of both, writing the corrected logits' gradient beside
-them (the corrected logits themselves are made and used tile by tile on the GPU, never stored) together with z's;
-then two GEMMs make the gradients of hidden and W2 at once, so the loss's backward only scales what the forward kept
-by the incoming gradient. The GEMMs are those of the plain formulation (forward, input gradient, W2's gradient);
-what goes away is the float32 logits of the whole batch and the passes over them.
+Rows go in chunks (`chunk_rows`, ~2^28 logits a chunk): a chunk's two logit matrices are made by two GEMMs,
+turned in place into their gradients (speculative/kernels/vocab_ce.py on the GPU, torch ops on the CPU), and
+multiplied back into the gradients of hidden, z and W2 at once, so the loss's backward only scales what the
+forward kept by the incoming gradient. The GEMMs are those of the plain formulation (forward, input gradient,
+W2's gradient); what goes away is the float32 logits of the whole batch and the passes over them.
 """
 from __future__ import annotations
 
@@ -19,14 +17,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-CHUNK_ELEMENTS = 1 << 30          # logits per chunk and matrix (2 GiB in bfloat16): rows enough for the GPU kernel
-                                  # to fill the device with programs of BLOCK_ROWS rows
+CHUNK_ELEMENTS = 1 << 28          # logits per chunk and matrix (512 MiB in bfloat16)
 
 
 def _ce_grad_torch(logits: Tensor, labels: Tensor, weights: Tensor, grad: bool,
                    acc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """One set of logits: CE and argmax per row; with `grad` the logits become weight * (softmax - one_hot)
-    (+ acc), in place."""
+    """speculative.kernels.vocab_ce.cross_entropy_grad in torch ops (the CPU)."""
     x = logits.float()
     lse = torch.logsumexp(x, -1)
     ce = lse - x.gather(1, labels[:, None]).squeeze(1)
@@ -40,22 +36,12 @@ def _ce_grad_torch(logits: Tensor, labels: Tensor, weights: Tensor, grad: bool,
     return ce, argmax
 
 
-def _pair_ce_grad_torch(logits: Tensor, z: Tensor, w2: Tensor, labels: Tensor, w_final: Tensor, w_base: Tensor,
-                        grad: bool):
-    """speculative.kernels.vocab_ce.pair_cross_entropy_grad in torch ops (the CPU)."""
-    final = torch.addmm(logits, z, w2.t())
-    ce_final, argmax = _ce_grad_torch(final, labels, w_final, grad)
-    # base's gradient plus final's: both sets of logits were made from the hidden states through the head
-    ce_base, _ = _ce_grad_torch(logits, labels, w_base, grad, acc=final)
-    return ce_final, ce_base, argmax, final if grad else None, final @ w2 if grad else None
-
-
-def pair_cross_entropy_grad(logits: Tensor, z: Tensor, w2: Tensor, labels: Tensor, w_final: Tensor,
-                            w_base: Tensor, grad: bool):
+def cross_entropy_grad(logits: Tensor, labels: Tensor, weights: Tensor, grad: bool,
+                       acc: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     if logits.is_cuda:
-        from speculative.kernels.vocab_ce import pair_cross_entropy_grad as on_gpu
-        return on_gpu(logits, z, w2, labels, w_final, w_base, grad)
-    return _pair_ce_grad_torch(logits, z, w2, labels, w_final, w_base, grad)
+        from speculative.kernels.vocab_ce import cross_entropy_grad as on_gpu
+        return on_gpu(logits, labels, weights, grad, acc)
+    return _ce_grad_torch(logits, labels, weights, grad, acc)
 
 
 class _ChunkedVocabLoss(torch.autograd.Function):
@@ -71,13 +57,15 @@ class _ChunkedVocabLoss(torch.autograd.Function):
         g_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device) if grad else None
         for lo in range(0, n, chunk_rows):
             rows = slice(lo, min(n, lo + chunk_rows))
-            logits = hidden[rows] @ lm.t()
-            ce_final[rows], ce_base[rows], argmax[rows], g_final, gz = pair_cross_entropy_grad(
-                logits, z[rows], proj, labels[rows], w_final[rows], w_base[rows], grad)
-            if grad:                                  # logits now hold the base logits' gradient (final's in it)
-                torch.mm(logits, lm, out=g_hidden[rows])
-                g_z[rows] = gz
-                g_w2 += (g_final.t() @ z[rows]).float()
+            base = hidden[rows] @ lm.t()
+            final = torch.addmm(base, z[rows], proj.t())
+            ce_final[rows], argmax[rows] = cross_entropy_grad(final, labels[rows], w_final[rows], grad)
+            # base's gradient plus final's: both sets of logits were made from `hidden` through the head
+            ce_base[rows], _ = cross_entropy_grad(base, labels[rows], w_base[rows], grad, acc=final)
+            if grad:
+                torch.mm(base, lm, out=g_hidden[rows])
+                torch.mm(final, proj, out=g_z[rows])
+                g_w2 += (final.t() @ z[rows]).float()
         ctx.save_for_backward(g_hidden, g_z, g_w2)
         ctx.w2_dtype = w2.dtype
         ctx.mark_non_differentiable(ce_final, ce_base, argmax)

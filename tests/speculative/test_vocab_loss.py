@@ -119,39 +119,29 @@ def test_no_gradient_work_without_autograd():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_pair_cross_entropy_grad_equals_the_torch_ops(monkeypatch, dtype):
-    """The kernel (two row blocks, the last one partial; several column tiles, the last one partial; a rank below
-    the tile's; ties in a row go to the first index) against the CPU path: both CEs, the argmax, g_final, g_z and
-    the in-place g_base, with and without the gradient."""
+def test_triton_cross_entropy_grad_equals_the_torch_ops(monkeypatch, dtype):
+    """The kernel (several column tiles, the last one partial; ties in a row go to the first index) against the
+    CPU path: CE, argmax, and the in-place gradient with and without an accumulated row."""
     from speculative.kernels import vocab_ce
     gen = torch.Generator().manual_seed(3)
-    n, v, r = 21, 300, 4
+    n, v = 6, 300
     logits = (3 * torch.randn(n, v, generator=gen)).to(dtype)
-    z = torch.randn(n, r, generator=gen).to(dtype)
-    w2 = (0.5 * torch.randn(v, r, generator=gen)).to(dtype)
-    z[2] = 0                                                       # row 2's corrected logits are its base ones
     logits[2, 7] = logits[2, 250] = logits[2].max() + 1            # a tie: argmax is the first index
     labels = torch.randint(0, v, (n,), generator=gen)
-    w_final, w_base = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
-    w_final[4] = w_base[5] = 0.0
+    weights = torch.rand(n, generator=gen)
+    weights[4] = 0.0
+    acc = torch.randn(n, v, generator=gen).to(dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=4e-3, atol=4e-3)
-    monkeypatch.setattr(vocab_ce, "BLOCK_ROWS", 16)
-    monkeypatch.setattr(vocab_ce, "BLOCK_COLS", 128)
-    for grad in (False, True):
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    monkeypatch.setattr(vocab_ce, "BLOCK", 128)
+    for grad, with_acc in ((False, False), (True, False), (True, True)):
         mine, ref = logits.clone().to(device), logits.clone()
-        got = vocab_ce.pair_cross_entropy_grad(mine, z.to(device), w2.to(device), labels.to(device),
-                                               w_final.to(device), w_base.to(device), grad)
-        want = vocab_loss._pair_ce_grad_torch(ref, z, w2, labels, w_final, w_base, grad)
-        for g, w in zip(got[:2], want[:2]):
-            assert torch.allclose(g.cpu(), w, **tol)
-        assert torch.equal(got[2].cpu(), want[2]) and want[2][2] == 7
-        assert torch.allclose(mine.cpu().float(), ref.float(), **tol)        # g_base in place, or untouched
-        if grad:
-            assert torch.allclose(got[3].cpu().float(), want[3].float(), **tol)
-            assert torch.allclose(got[4].cpu(), want[4].float(), **tol)
-        else:
-            assert got[3] is None and got[4] is None and torch.equal(mine.cpu(), logits)
+        ce, argmax = vocab_ce.cross_entropy_grad(mine, labels.to(device), weights.to(device), grad,
+                                                 acc.to(device) if with_acc else None)
+        ce_ref, argmax_ref = vocab_loss._ce_grad_torch(ref, labels, weights, grad, acc if with_acc else None)
+        assert torch.allclose(ce.cpu(), ce_ref, **tol)
+        assert torch.equal(argmax.cpu(), argmax_ref) and argmax_ref[2] == 7
+        assert torch.allclose(mine.cpu().float(), ref.float(), **tol)
 
 
 def test_block_mask_attention_equals_the_dense_mask():
