@@ -51,8 +51,7 @@ from bench.projection import projection
 from bench.provenance import provenance, repo_path
 from bench.round_cost import MIN_ROUNDS, RoundLog, breakdown, round_cost
 from bench.shapes import SHAPES
-from bench.speculative_report import (Run, build_report, format_table, outputs_equal_plain,
-                                     round_overhead, temp_key)
+from bench.speculative_report import MODES, Run, build_report, format_table, mode_summaries, temp_key
 from bench.tree_builder import builder_identity, time_tree_build
 from speculative.train_loop import LOG_NAME, last_log_record
 
@@ -488,7 +487,7 @@ def keep_other_modes(report: dict, out: str, modes: tuple[str, ...]) -> None:
         return
     with open(out, encoding="utf-8") as f:
         old = json.load(f)
-    kept = [m for m in ("dominotree", "chain", "ddtree") if m not in modes and m in old]
+    kept = [m for m in MODES if m not in modes and m in old]
     for m in kept:
         report[m] = {**old[m], "measured_by": old[m].get("measured_by") or old.get("provenance")}
         engine = old.get("engine", {}).get("speculative", {}).get(m)
@@ -496,8 +495,7 @@ def keep_other_modes(report: dict, out: str, modes: tuple[str, ...]) -> None:
             report["engine"]["speculative"][m] = engine
     if kept:
         report["kept_modes"] = kept
-        report["round_overhead_ms"] = round_overhead(report)
-        report["outputs_equal_plain"] = outputs_equal_plain(report)
+        report.update(mode_summaries(report))
 
 
 def main(argv: Optional[list[str]] = None) -> Optional[BenchResult]:

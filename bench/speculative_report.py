@@ -150,10 +150,17 @@ def build_report(cfg: ReportConfig, results: dict, greedy: dict, drafter: Option
                                                                                plain, greedy.get(f"{mode}@forced")))
             report[mode]["forced"]["round"] = results[mode].get("round")
             report[mode]["forced"]["round_breakdown"] = results[mode].get("round_breakdown")
-    report["round_overhead_ms"] = round_overhead(report)
-    report["outputs_equal_plain"] = outputs_equal_plain(report)
+    report.update(mode_summaries(report))
     report.update(tree_sections(cfg, {m: results[m].get("tree_build") for m in cfg.modes}, identity))
     return report
+
+
+MODES = ("dominotree", "chain", "ddtree")        # the report's mode sections, in order of preference
+
+
+def mode_summaries(report: dict) -> dict:
+    """The top-level keys derived from the report's mode sections (measured now or kept by --update)."""
+    return {"round_overhead_ms": round_overhead(report), "outputs_equal_plain": outputs_equal_plain(report)}
 
 
 def round_overhead(report: dict) -> Optional[dict]:
@@ -161,7 +168,7 @@ def round_overhead(report: dict) -> Optional[dict]:
     mode sections (those measured now and those kept by --update): DominoTree's where it is there, else chain's,
     else DDTree's; the larger over temperatures (null where a temperature saw too few rounds). None without a
     forced run."""
-    rounds = {m: report[m]["forced"]["round"] for m in ("dominotree", "chain", "ddtree")
+    rounds = {m: report[m]["forced"]["round"] for m in MODES
               if (report.get(m) or {}).get("forced", {}).get("round")}
     if not rounds:
         return None
@@ -179,7 +186,7 @@ def outputs_equal_plain(report: dict) -> dict:
     from the forced run where there is one (the policy may not speculate at all), for every mode section in the
     report (measured now or kept by --update); null for a mode whose T=0 was not run."""
     out = {}
-    for mode in ("dominotree", "chain", "ddtree"):
+    for mode in MODES:
         section = report.get(mode)
         if not section:
             continue
