@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="answers per prompt: the first greedy, the others sampled at --regenerate-temperature, "
                         "each with its own seed (the file holds the passes one after the other)")
     p.add_argument("--regenerate-temperature", type=_above_zero(float), default=0.8)
+    p.add_argument("--regenerate-max-seqs", type=_above_zero(int), default=None,
+                   help="the regenerating engine's max_num_seqs (default: the engine's); a small target's decode "
+                        "step is launch-bound, so more sequences a step answer more prompts a second")
     p.add_argument("--regenerate-heldout", type=int, default=0,
                    help="with --heldout-pairs: have the target answer this many held-out prompts (greedy) into that "
                         "file first (continues a partly written file; skipped when it is complete)")
@@ -146,7 +149,8 @@ def _answer_into(path: str, asks: list, args, use_gpu: bool, one_engine: bool, s
     from speculative.train_data import regenerate_to_file
     engines = torch.cuda.device_count() if use_gpu and not one_engine else 1
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    stats = regenerate_to_file(path, asks, args.target, args.max_response, engines=engines, seconds=seconds)
+    stats = regenerate_to_file(path, asks, args.target, args.max_response, engines=engines, seconds=seconds,
+                               max_num_seqs=args.regenerate_max_seqs)
     gc.collect()                           # the engine's KV cache, before the training workers take the GPUs
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return stats

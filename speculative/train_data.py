@@ -163,15 +163,19 @@ def _user_turn(tokenizer, prompt: str, room: int) -> list[int]:
 
 
 def regenerate_to_file(path: str, prompts: Sequence[Ask], target: Optional[str], max_tokens: int,
-                       engines: int = 1, seconds: float = 0.0, chunk: int = 512) -> dict:
+                       engines: int = 1, seconds: float = 0.0, chunk: int = 512,
+                       max_num_seqs: Optional[int] = None) -> dict:
     """Append the target's answers to `prompts` to the jsonl `path`, one line per prompt in order, starting
     after the lines already there (so an interrupted regeneration continues). `engines` > 1 runs one engine
     per GPU as Ray actors (Ray must be initialised), each answering its slice of every chunk of
-    `chunk * engines` prompts, which the engine batches as offline generation does. Stops between chunks once
-    `seconds` (> 0) have passed. Returns what was done and at what rate."""
+    `chunk * engines` prompts, which the engine batches as offline generation does (a chunk is at least four
+    times `max_num_seqs`, the engines' own bound when given, so the batch stays full until a chunk's last
+    answers). Stops between chunks once `seconds` (> 0) have passed. Returns what was done and at what rate."""
     done_before = count_lines(path)
     todo = list(prompts[done_before:])
-    generate, stop = _engines(target, engines)
+    engine_args = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    chunk = max(chunk, 4 * engine_args.get("max_num_seqs", 0))
+    generate, stop = _engines(target, engines, engine_args)
     start, written, tokens = time.perf_counter(), 0, 0
     try:
         step = chunk * engines
@@ -190,21 +194,21 @@ def regenerate_to_file(path: str, prompts: Sequence[Ask], target: Optional[str],
     elapsed = time.perf_counter() - start
     return {"pairs_before": done_before, "pairs_written": written, "response_tokens": tokens,
             "seconds": round(elapsed, 1), "response_tokens_per_s": round(tokens / elapsed, 1) if written else None,
-            "engines": engines, "complete": done_before + written >= len(prompts)}
+            "engines": engines, "engine_args": engine_args, "complete": done_before + written >= len(prompts)}
 
 
-def _engines(target: Optional[str], engines: int):
+def _engines(target: Optional[str], engines: int, engine_args: dict):
     """(generate(asks, max_tokens) -> pairs in their order, stop()) over `engines` tidal engines."""
     from replicas.llm import LLM
     if engines <= 1:
-        llm = LLM(model=target)
+        llm = LLM(model=target, **engine_args)
         return (lambda prompts, max_tokens: regenerate(llm, prompts, max_tokens)), llm.shutdown
     import ray
 
     @ray.remote(num_gpus=1)
     class Engine:
         def __init__(self):
-            self.llm = LLM(model=target)
+            self.llm = LLM(model=target, **engine_args)
 
         def answer(self, prompts, max_tokens):
             return regenerate(self.llm, prompts, max_tokens)

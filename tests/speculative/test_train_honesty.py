@@ -186,3 +186,8 @@ def test_held_out_pairs_are_regenerated_by_the_target_once_and_recorded(tiny_dat
     assert [c["pairs_written"] for c in kept] == [3]                        # keeps the calls recorded before
     with pytest.raises(SystemExit):
         run_tiny(root, target, "no-file", "--regenerate-heldout", "3")
+    narrow = root / "regen" / "heldout-narrow.jsonl"                     # an engine of 2 sequences a step
+    run_tiny(root, target, "regen-narrow", *flags[:1], str(narrow), *flags[2:], "--regenerate-max-seqs", "2")
+    assert narrow.read_text() == path.read_text()                          # greedy: the same answers
+    call = json.loads((root / "regen-narrow" / "run.json").read_text())["data"]["heldout"]["regeneration_calls"][0]
+    assert call["engine_args"] == {"max_num_seqs": 2}
