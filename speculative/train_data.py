@@ -174,7 +174,7 @@ def regenerate_to_file(path: str, prompts: Sequence[Ask], target: Optional[str],
     done_before = count_lines(path)
     todo = list(prompts[done_before:])
     engine_args = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
-    chunk = max(chunk, 4 * engine_args.get("max_num_seqs", 0))
+    chunk = max(chunk, 4 * (max_num_seqs or 0))
     generate, stop = _engines(target, engines, engine_args)
     start, written, tokens = time.perf_counter(), 0, 0
     try:
