@@ -74,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each with its own seed (the file holds the passes one after the other)")
     p.add_argument("--regenerate-temperature", type=_above_zero(float), default=0.8)
     p.add_argument("--regenerate-max-seqs", type=_above_zero(int), default=None,
-                   help="the regenerating engine's max_num_seqs (default: the engine's); a small target's decode "
-                        "step is launch-bound, so more sequences a step answer more prompts a second")
+                   help="the regenerating engine's max_num_seqs (default: the engine's); prompts go to it in chunks "
+                        "of at least four times this")
     p.add_argument("--regenerate-heldout", type=int, default=0,
                    help="with --heldout-pairs: have the target answer this many held-out prompts (greedy) into that "
                         "file first (continues a partly written file; skipped when it is complete)")
