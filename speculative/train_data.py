@@ -12,7 +12,7 @@ import json
 import random
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -50,19 +50,60 @@ def iter_sharegpt(chunk_bytes: int = 1 << 20) -> Iterator[dict]:
                 return
 
 
-def sharegpt_prompts(split: str = "train", heldout_per_mille: int = 20, limit: Optional[int] = None) -> list[str]:
-    """The first human turn of each conversation in `split` ("train" or "heldout")."""
+Message = dict[str, str]                # {"role": "user" | "assistant", "content": ...}
+Prompt = Union[str, list[Message]]     # one user turn, or a conversation ending with a user turn
+ROLES = {"human": "user", "gpt": "assistant"}
+PROMPT_TURNS = ("first", "all")
+
+
+def sharegpt_prompts(split: str = "train", heldout_per_mille: int = 20, limit: Optional[int] = None,
+                     turns: str = "first") -> list[Prompt]:
+    """The prompts of ShareGPT's `split` ("train" or "heldout"). turns="first": the first human turn of each
+    conversation (a string). turns="all": those same prompts first, then every later human turn with the
+    conversation before it (a message list, the earlier answers as ShareGPT holds them), in conversation order,
+    so a run that stops early has answered the first turns. A conversation's later turns end where its roles stop
+    alternating human, gpt, human, ..."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    prompts = []
+    if turns not in PROMPT_TURNS:
+        raise ValueError(f"turns must be one of {PROMPT_TURNS}, got {turns!r}")
+    first: list[Prompt] = []
+    later: list[Prompt] = []
     for conv in iter_sharegpt():
-        turns = conv.get("conversations") or []
-        if not turns or turns[0].get("from") != "human" or not turns[0].get("value", "").strip():
+        messages = _alternating(conv.get("conversations") or [])
+        if not messages or in_heldout(str(conv.get("id", "")), heldout_per_mille) != (split == "heldout"):
             continue
-        if in_heldout(str(conv.get("id", "")), heldout_per_mille) == (split == "heldout"):
-            prompts.append(turns[0]["value"])
-            if limit is not None and len(prompts) >= limit:
-                break
+        first.append(messages[0]["content"])
+        if limit is not None and len(first) >= limit:
+            break
+        if turns == "all":
+            later += [messages[:k + 1] for k in range(2, len(messages), 2)]
+    prompts = first + later
+    return prompts[:limit] if limit is not None else prompts
+
+
+def _alternating(turns: list[dict]) -> list[Message]:
+    """The conversation's leading run of non-empty turns alternating human, gpt, human, ... as chat messages."""
+    out: list[Message] = []
+    for turn in turns:
+        role, text = ROLES.get(turn.get("from")), turn.get("value") or ""
+        if role != ("user" if len(out) % 2 == 0 else "assistant") or not text.strip():
+            break
+        out.append({"role": role, "content": text})
+    return out
+
+
+def check_prompts(prompts: list, source: str) -> list[Prompt]:
+    """`prompts` read from a JSON file: each a string, or a non-empty message list of user / assistant turns
+    ending with a user turn; a ValueError naming the first that is neither."""
+    for i, p in enumerate(prompts):
+        ok = isinstance(p, str) or (
+            isinstance(p, list) and p and all(isinstance(m, dict) and m.get("role") in ("user", "assistant")
+                                              and isinstance(m.get("content"), str) for m in p)
+            and p[-1]["role"] == "user")
+        if not ok:
+            raise ValueError(f"{source}: prompt {i} is neither a string nor a message list ending with a user "
+                             "turn")
     return prompts
 
 
@@ -127,12 +168,12 @@ def write_pairs(path: str, pairs: Sequence[Pair], append: bool = False) -> None:
 @dataclass(frozen=True)
 class Ask:
     """A prompt for the target to answer, greedily or sampled with its own seed."""
-    prompt: str
+    prompt: Prompt
     temperature: float = 0.0
     seed: Optional[int] = None
 
 
-def passes_of(prompts: Sequence[str], passes: int, temperature: float) -> list[Ask]:
+def passes_of(prompts: Sequence[Prompt], passes: int, temperature: float) -> list[Ask]:
     """Every prompt `passes` times, pass after pass: the first greedy, each later one sampled at `temperature`
     with a seed of its own per prompt and pass (so a regenerated file is the same on any run, and each pass adds
     answers the others do not hold)."""
@@ -143,7 +184,7 @@ def passes_of(prompts: Sequence[str], passes: int, temperature: float) -> list[A
 
 
 def regenerate(llm, asks: Sequence[Ask], max_tokens: int = 512) -> list[Pair]:
-    """Responses by the target itself through tidal's engine (`replicas.LLM`), one user turn per prompt."""
+    """Responses by the target itself through tidal's engine (`replicas.LLM`), one answer per prompt."""
     from replicas.sampling_params import SamplingParams
     params = [SamplingParams(temperature=a.temperature, seed=a.seed, max_tokens=max_tokens) for a in asks]
     outs = llm.generate([_user_turn(llm.tokenizer, a.prompt, llm.engine.max_model_len - max_tokens) for a in asks],
@@ -151,13 +192,19 @@ def regenerate(llm, asks: Sequence[Ask], max_tokens: int = 512) -> list[Pair]:
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
-def _user_turn(tokenizer, prompt: str, room: int) -> list[int]:
-    """The rendered user turn's token ids, its text cut at the end on a token boundary where the turn would pass
-    `room` tokens (ShareGPT holds prompts longer than a small model's context; each prompt still yields one pair)."""
-    ids = tokenizer.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+def _user_turn(tokenizer, prompt: Prompt, room: int) -> list[int]:
+    """The rendered prompt's token ids within `room` tokens, ready for the answer (each prompt still yields one
+    pair: ShareGPT holds prompts longer than a small model's context). A conversation that does not fit loses its
+    oldest exchanges first; a last user turn that alone does not fit has its text cut at the end on a token
+    boundary."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    while len(ids) > room and len(messages) > 1:
+        messages = messages[2:]
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     if len(ids) <= room:
         return ids
-    text = tokenizer.encode(prompt, add_special_tokens=False)
+    text = tokenizer.encode(messages[0]["content"], add_special_tokens=False)
     cut = tokenizer.decode(text[:max(len(text) - (len(ids) - room) - 8, 1)])
     return tokenizer.encode_chat([{"role": "user", "content": cut}], add_generation_prompt=True)
 

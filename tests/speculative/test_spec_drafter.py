@@ -3,6 +3,8 @@ drafter trained on a copy task drafts whole blocks the target accepts), training
 import json
 import random
 
+import pytest
+
 import torch
 
 from speculative.acceptance import accept
@@ -290,3 +292,42 @@ def test_regeneration_cuts_a_prompt_longer_than_the_context_and_passes_add_sampl
     assert len(pairs[0][0]) + 16 <= 128 and len(pairs[0][0]) > 64
     assert {len(pairs[k][0]) for k in (0, 2, 4)} == {len(pairs[0][0])}     # every pass asks the same (cut) prompt
     assert again[0] == pairs[3] and again[1][1] != pairs[3][1]              # a pass's answer is its seed's
+
+
+def test_all_turn_prompts_follow_the_first_turns_and_end_with_a_user_turn():
+    from speculative.train_data import sharegpt_prompts
+    first = sharegpt_prompts("heldout")
+    every = sharegpt_prompts("heldout", turns="all")
+    assert every[:len(first)] == first and len(every) > len(first)
+    for conversation in every[len(first):]:
+        assert len(conversation) % 2 == 1 and conversation[-1]["role"] == "user"
+        assert [m["role"] for m in conversation] == ["user", "assistant"] * (len(conversation) // 2) + ["user"]
+        assert all(m["content"].strip() for m in conversation)
+    assert sharegpt_prompts("heldout", turns="all", limit=3) == first[:3]
+    with pytest.raises(ValueError):
+        sharegpt_prompts("heldout", turns="some")
+
+
+def test_a_conversation_too_long_for_the_context_loses_its_oldest_exchanges_first():
+    from replicas.llm import LLM
+    from speculative.train_data import _user_turn, check_prompts, regenerate, passes_of
+    conversation = [{"role": "user", "content": "tell me about the sea " * 40},
+                    {"role": "assistant", "content": "the sea is wide " * 40},
+                    {"role": "user", "content": "and the sky?"}]
+    llm = LLM(max_model_len=128, max_num_seqs=4)
+    try:
+        tok = llm.tokenizer
+        whole = _user_turn(tok, conversation, 10_000)
+        assert whole == tok.encode_chat(conversation)
+        assert _user_turn(tok, conversation, 112) == tok.encode_chat(conversation[2:])    # the last turn alone
+        long_last = conversation[:2] + [{"role": "user", "content": "and the sky? " * 80}]
+        cut = _user_turn(tok, long_last, 112)
+        assert 64 < len(cut) <= 112 and tok.decode(cut).count("and the sky?") < 80
+        pairs = regenerate(llm, passes_of(check_prompts([conversation, "name three colours"], "test"), 1, 1.0),
+                           max_tokens=16)
+    finally:
+        llm.shutdown()
+    assert pairs[0][0] == tok.encode_chat(conversation[2:]) and all(response for _, response in pairs)
+    for bad in ([[]], [[{"role": "assistant", "content": "hi"}]], [[{"role": "user", "content": 3}]], [7]):
+        with pytest.raises(ValueError, match="prompt 0"):
+            check_prompts(bad, "prompts.json")
