@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from speculative.train_checkpoint import find_checkpoint
-from speculative.train_data import PROMPT_TURNS
+from speculative.train_data import PROMPT_TURNS, count_lines
 from speculative.train_distributed import (TrainJob, local_ray, ray_train_available, run_in_process, run_training,
                                           worker_count)
 from speculative.train_loop import (FEATURE_MODES, VOCAB_LOSSES, HFTarget, TrainConfig, Trainer, block_losses,
@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regenerate-heldout", type=int, default=0,
                    help="with --heldout-pairs: have the target answer this many held-out prompts (greedy) into that "
                         "file first (continues a partly written file; skipped when it is complete)")
+    p.add_argument("--regenerate-only", action="store_true",
+                   help="stop once the pairs are regenerated (no training): data made in one GPU call, trained on in "
+                        "the next, whose --regenerate counts the lines written so the file is complete")
     p.add_argument("--heldout-prompts-file", default=None,
                    help="JSON list of prompts for --regenerate-heldout (default: ShareGPT's held-out split)")
     p.add_argument("--max-response", type=int, default=512)
@@ -130,7 +133,7 @@ def _load_prompts(prompts_file: Optional[str], split: str, limit: int, turns: st
 
 
 def _regenerate(args, use_gpu: bool, one_engine: bool, deadline: Optional[float]) -> Optional[dict]:
-    from speculative.train_data import count_lines, passes_of
+    from speculative.train_data import passes_of
     if count_lines(args.pairs) >= args.regenerate * args.regenerate_passes:
         return None
     seconds = args.regenerate_seconds
@@ -142,7 +145,7 @@ def _regenerate(args, use_gpu: bool, one_engine: bool, deadline: Optional[float]
 
 
 def _regenerate_heldout(args, use_gpu: bool, one_engine: bool) -> Optional[dict]:
-    from speculative.train_data import count_lines, passes_of
+    from speculative.train_data import passes_of
     if count_lines(args.heldout_pairs) >= args.regenerate_heldout:
         return None
     prompts = _load_prompts(args.heldout_prompts_file, "heldout", args.regenerate_heldout)
@@ -238,6 +241,10 @@ def run(args, argv: Optional[list[str]] = None) -> int:
                   "config": asdict(cfg)}
         print(f"data: {record['data']['source']}; target features {FEATURE_NOTES[cfg.target_features]}", flush=True)
         _write_run_record(job.out, record)
+        if args.regenerate_only:
+            print(f"regenerated: {count_lines(args.pairs)} pairs in {args.pairs}; no training (--regenerate-only)",
+                  flush=True)
+            return 0
         result = run_in_process(job) if local else run_training(job)
     _write_run_record(job.out, {**record, "result": result, "seconds": round(time.time() - start, 1)})
     if result["finished"]:

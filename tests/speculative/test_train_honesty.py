@@ -191,3 +191,27 @@ def test_held_out_pairs_are_regenerated_by_the_target_once_and_recorded(tiny_dat
     assert narrow.read_text() == path.read_text()                          # greedy: the same answers
     call = json.loads((root / "regen-narrow" / "run.json").read_text())["data"]["heldout"]["regeneration_calls"][0]
     assert call["engine_args"] == {"max_num_seqs": 2}
+
+
+@pytest.mark.timeout(120)
+def test_regenerate_only_makes_the_pairs_that_a_later_run_trains_on(tiny_data, capsys):
+    from speculative.train import main
+    root, target = tiny_data
+    prompts = root / "turn_prompts.json"
+    prompts.write_text(json.dumps(["name a colour", [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "hello"},
+                                                     {"role": "user", "content": "count to three"}]]))
+    pairs, out = root / "only" / "pairs.jsonl", root / "only-run"
+    flags = ["--target", str(target), "--pairs", str(pairs), "--out", str(out), "--regenerate", "2",
+             "--prompts-file", str(prompts), "--max-response", "8", "--launcher", "local", "--device", "cpu"]
+    main([*flags, "--regenerate-only"])
+    assert "no training (--regenerate-only)" in capsys.readouterr().out
+    assert pairs.read_text().count("\n") == 2 and not (out / "train_log.jsonl").exists()
+    run = json.loads((out / "run.json").read_text())
+    assert [c["pairs_written"] for c in run["data"]["regeneration_calls"]] == [2] and "result" not in run
+    main([*flags, "--layers", "1", "--block-size", "4", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+          "--anchors-per-seq", "4", "--warmup-steps", "1", "--log-every", "1", "--checkpoint-every", "1000"])
+    assert pairs.read_text().count("\n") == 2                                # complete: not answered again
+    run = json.loads((out / "run.json").read_text())
+    assert [c["pairs_written"] for c in run["data"]["regeneration_calls"]] == [2] and run["result"]["finished"]
+    assert (out / "train_log.jsonl").read_text().count("\n") == 2
