@@ -525,12 +525,35 @@ class LLMEngine:
 
         bs = self.config.cache.block_size
         roots = np.fromiter((seq.num_computed_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
+        accepted = v.num_emitted - 1
+        alive = np.fromiter((seq.request_id in self.requests for seq in seqs), dtype=bool, count=len(seqs))
+        # The device work of the round's end is launched before the host emits the tokens, so the two overlap:
+        # accepted node c (path column c, 0-based) moves its K/V from root + its slot to root + 1 + c, and the
+        # root's and accepted nodes' hidden states enter the drafter context. A sequence that finishes below had
+        # that work done for nothing: the blocks written are its own (positions past its committed prefix) and
+        # its context is dropped when it retires.
+        column = np.arange(v.width - 1)
+        path = v.path_slots[:, 1:]
+        moved_b, moved_c = np.nonzero(alive[:, None] & (column < accepted[:, None]) & (path != column + 1))
+        if len(moved_b):
+            src, dst = roots[moved_b] + path[moved_b, moved_c], roots[moved_b] + moved_c + 1
+            self.runner.call_all("compact_kv", tables[moved_b, src // bs].astype(np.int64) * bs + src % bs,
+                                 tables[moved_b, dst // bs].astype(np.int64) * bs + dst % bs)
+        live = np.flatnonzero(alive)
+        if len(live):
+            on_path = np.arange(v.width) <= accepted[live, None]     # the root, then the accepted nodes
+            rows = np.asarray(first_rows, dtype=np.int64)[live, None] + v.path_slots[live]
+            self.speculator.observe(aux, rows[on_path],
+                                    np.repeat([seqs[b].seq_id for b in live.tolist()], accepted[live] + 1),
+                                    (roots[live, None] + np.arange(v.width))[on_path])
+            self.speculator.flush()
+
         kept = np.zeros(len(seqs), dtype=bool)
-        num_failed = len(self.failed)
-        for b, seq in enumerate(seqs):
+        for b in live.tolist():
+            seq = seqs[b]
             req = self.requests.get(seq.request_id)
             if req is None:
-                continue                # failed earlier in this step, through another of its sequences
+                continue                # failed earlier in this round, through another of its sequences
             slots = v.path_slots[b]
             try:
                 for j, token in enumerate(v.tokens[b, :int(v.num_emitted[b])].tolist()):
@@ -541,29 +564,12 @@ class LLMEngine:
                 self._fail_own(seq.request_id, e)
                 continue
             kept[b] = not seq.is_finished
-        # accepted node c (path column c, 0-based) holds position root + 1 + c once moved from root + its slot
-        accepted = v.num_emitted - 1
-        column = np.arange(v.width - 1)
-        path = v.path_slots[:, 1:]
-        moved_b, moved_c = np.nonzero(kept[:, None] & (column < accepted[:, None]) & (path != column + 1))
-        if len(moved_b):
-            src, dst = roots[moved_b] + path[moved_b, moved_c], roots[moved_b] + moved_c + 1
-            self.runner.call_all("compact_kv", tables[moved_b, src // bs].astype(np.int64) * bs + src % bs,
-                                 tables[moved_b, dst // bs].astype(np.int64) * bs + dst % bs)
-        if len(self.failed) > num_failed:   # a request that failed after another of its sequences was kept
-            kept &= np.fromiter((seq.request_id in self.requests for seq in seqs), dtype=bool, count=len(seqs))
-        keep = np.flatnonzero(kept)
-        for b in keep.tolist():
+        kept &= np.fromiter((seq.request_id in self.requests for seq in seqs), dtype=bool, count=len(seqs))
+        for b in np.flatnonzero(kept).tolist():
             seq, root = seqs[b], int(roots[b])
             seq.num_computed_tokens = root + 1 + int(accepted[b])
             self.block_manager.commit_full_blocks(seq, root)
             self.block_manager.truncate(seq, -(-seq.num_tokens // bs))
-        if len(keep):
-            on_path = np.arange(v.width) <= accepted[keep, None]     # the root, then the accepted nodes
-            rows = np.asarray(first_rows, dtype=np.int64)[keep, None] + v.path_slots[keep]
-            self.speculator.observe(aux, rows[on_path],
-                                    np.repeat([seqs[b].seq_id for b in keep.tolist()], accepted[keep] + 1),
-                                    (roots[keep, None] + np.arange(v.width))[on_path])
 
     def _logprob_entry(self, token: int, out, row: int, k: int) -> dict[int, Logprob]:
         """The sampled token's logprob and the top-k alternatives, decoded once."""

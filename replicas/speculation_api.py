@@ -6,8 +6,9 @@ A round, as the engine runs it (docs/speculative.md):
     proposer.propose(seqs, nodes)          one draft tree per sequence -> DraftProposal (on the device: no wait)
     runner.execute(step)                   the target verifies every tree in one forward (tree attention mask)
     verifier.verify(seqs, proposal, ...)   the target's choice at every node and the walk -> VerifiedRound
-    the engine applies the round itself    emits the tokens, moves the accepted nodes' KV, commits blocks
-    proposer.observe(...)                  the computed tokens' hidden states enter the drafter's context
+    the engine applies the round itself    moves the accepted nodes' KV, then
+    proposer.observe(...), flush()         the computed tokens' hidden states enter the drafter's context, and
+                                           while that device work runs the engine emits the tokens, commits blocks
 
 The engine owns these types and never imports `speculative/`: the implementation is loaded by module name
 (`PROVIDER`) when a config asks for speculation, so the dependency runs one way, speculative -> replicas.
@@ -85,6 +86,10 @@ class Proposer(Protocol):
     def observe(self, aux: list[Tensor], rows: Optional[np.ndarray], seq_ids: np.ndarray,
                 positions: np.ndarray) -> None:
         """Rows `rows` of `aux` (None: all) hold sequence seq_ids[i]'s computed token at positions[i]."""
+
+    def flush(self) -> None:
+        """Start the drafter-context work for the rows observed so far now (device work the engine overlaps with
+        its host work at a round's end); `propose` does it otherwise."""
 
     def forget(self, seq: "Sequence") -> None:
         """The sequence finished or was aborted: drop its drafter context."""

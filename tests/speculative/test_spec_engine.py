@@ -154,6 +154,13 @@ def test_stops_inside_an_accepted_run_match_plain(tiny, monkeypatch):
              SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[want[1][7]]),
              SamplingParams(temperature=0.0, max_tokens=24, stop=[text.strip()[:3] or text], ignore_eos=True)]
     llm = spec_llm(folder, spec_budget=8)
+    engine, spec = llm.engine, llm.engine.speculator
+    pending_after_round, apply = [], engine._apply_verified
+
+    def applied(*args):     # the round's context work was started before its tokens were emitted
+        apply(*args)
+        pending_after_round.append(bool(spec._pending))
+    engine._apply_verified = applied
     try:
         for params in cases:
             ref = plain.generate(prompts, params)
@@ -162,6 +169,8 @@ def test_stops_inside_an_accepted_run_match_plain(tiny, monkeypatch):
                 assert (a.outputs[0].token_ids, a.outputs[0].text, a.outputs[0].finish_reason) == \
                     (b.outputs[0].token_ids, b.outputs[0].text, b.outputs[0].finish_reason)
             assert llm.engine.block_manager.num_used_blocks == 0
+            assert spec.num_tracked == 0 and not spec._pending       # stopped mid-round: its context dropped too
+        assert pending_after_round and not any(pending_after_round)
         assert llm.engine.get_stats().spec_accepted_tokens > 0
     finally:
         llm.shutdown()
