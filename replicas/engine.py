@@ -549,6 +549,7 @@ class LLMEngine:
             self.speculator.flush()
 
         kept = np.zeros(len(seqs), dtype=bool)
+        num_failed = len(self.failed)
         for b in live.tolist():
             seq = seqs[b]
             req = self.requests.get(seq.request_id)
@@ -564,7 +565,8 @@ class LLMEngine:
                 self._fail_own(seq.request_id, e)
                 continue
             kept[b] = not seq.is_finished
-        kept &= np.fromiter((seq.request_id in self.requests for seq in seqs), dtype=bool, count=len(seqs))
+        if len(self.failed) > num_failed:   # a request that failed after another of its sequences was kept
+            kept &= np.fromiter((seq.request_id in self.requests for seq in seqs), dtype=bool, count=len(seqs))
         for b in np.flatnonzero(kept).tolist():
             seq, root = seqs[b], int(roots[b])
             seq.num_computed_tokens = root + 1 + int(accepted[b])

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from speculative.train_checkpoint import find_checkpoint
-from speculative.train_data import PROMPT_TURNS, count_lines
+from speculative.train_data import (PROMPT_TURNS, check_prompts, count_lines, passes_of, regenerate_to_file,
+                                    sharegpt_prompts)
 from speculative.train_distributed import (TrainJob, local_ray, ray_train_available, run_in_process, run_training,
                                           worker_count)
 from speculative.train_loop import (FEATURE_MODES, VOCAB_LOSSES, HFTarget, TrainConfig, Trainer, block_losses,
@@ -125,7 +126,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_prompts(prompts_file: Optional[str], split: str, limit: int, turns: str = "first") -> list:
     """The first `limit` prompts of a JSON list file, or else of ShareGPT's `split` (`turns` of each conversation)."""
-    from speculative.train_data import check_prompts, sharegpt_prompts
     if prompts_file:
         with open(prompts_file) as f:
             return check_prompts(json.load(f)[:limit], prompts_file)
@@ -133,7 +133,6 @@ def _load_prompts(prompts_file: Optional[str], split: str, limit: int, turns: st
 
 
 def _regenerate(args, use_gpu: bool, one_engine: bool, deadline: Optional[float]) -> Optional[dict]:
-    from speculative.train_data import passes_of
     if count_lines(args.pairs) >= args.regenerate * args.regenerate_passes:
         return None
     seconds = args.regenerate_seconds
@@ -145,7 +144,6 @@ def _regenerate(args, use_gpu: bool, one_engine: bool, deadline: Optional[float]
 
 
 def _regenerate_heldout(args, use_gpu: bool, one_engine: bool) -> Optional[dict]:
-    from speculative.train_data import passes_of
     if count_lines(args.heldout_pairs) >= args.regenerate_heldout:
         return None
     prompts = _load_prompts(args.heldout_prompts_file, "heldout", args.regenerate_heldout)
@@ -154,7 +152,6 @@ def _regenerate_heldout(args, use_gpu: bool, one_engine: bool) -> Optional[dict]
 
 def _answer_into(path: str, asks: list, args, use_gpu: bool, one_engine: bool, seconds: float = 0.0) -> dict:
     """The target's answers to `asks` appended to the jsonl `path` (one engine per GPU unless `one_engine`)."""
-    from speculative.train_data import regenerate_to_file
     engines = torch.cuda.device_count() if use_gpu and not one_engine else 1
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     stats = regenerate_to_file(path, asks, args.target, args.max_response, engines=engines, seconds=seconds,

@@ -187,12 +187,12 @@ def regenerate(llm, asks: Sequence[Ask], max_tokens: int = 512) -> list[Pair]:
     """Responses by the target itself through tidal's engine (`replicas.LLM`), one answer per prompt."""
     from replicas.sampling_params import SamplingParams
     params = [SamplingParams(temperature=a.temperature, seed=a.seed, max_tokens=max_tokens) for a in asks]
-    outs = llm.generate([_user_turn(llm.tokenizer, a.prompt, llm.engine.max_model_len - max_tokens) for a in asks],
+    outs = llm.generate([_chat_prompt(llm.tokenizer, a.prompt, llm.engine.max_model_len - max_tokens) for a in asks],
                         params)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
-def _user_turn(tokenizer, prompt: Prompt, room: int) -> list[int]:
+def _chat_prompt(tokenizer, prompt: Prompt, room: int) -> list[int]:
     """The rendered prompt's token ids within `room` tokens, ready for the answer (each prompt still yields one
     pair: ShareGPT holds prompts longer than a small model's context). A conversation that does not fit loses its
     oldest exchanges first; a last user turn that alone does not fit has its text cut at the end on a token

@@ -294,7 +294,7 @@ def test_regeneration_cuts_a_prompt_longer_than_the_context_and_passes_add_sampl
     assert again[0] == pairs[3] and again[1][1] != pairs[3][1]              # a pass's answer is its seed's
 
 
-def test_all_turn_prompts_follow_the_first_turns_and_end_with_a_user_turn():
+def test_all_turn_prompts_follow_the_first_turns_and_end_with_a_chat_prompt():
     from speculative.train_data import sharegpt_prompts
     first = sharegpt_prompts("heldout")
     every = sharegpt_prompts("heldout", turns="all")
@@ -310,18 +310,18 @@ def test_all_turn_prompts_follow_the_first_turns_and_end_with_a_user_turn():
 
 def test_a_conversation_too_long_for_the_context_loses_its_oldest_exchanges_first():
     from replicas.llm import LLM
-    from speculative.train_data import _user_turn, check_prompts, regenerate, passes_of
+    from speculative.train_data import _chat_prompt, check_prompts, regenerate, passes_of
     conversation = [{"role": "user", "content": "tell me about the sea " * 40},
                     {"role": "assistant", "content": "the sea is wide " * 40},
                     {"role": "user", "content": "and the sky?"}]
     llm = LLM(max_model_len=128, max_num_seqs=4)
     try:
         tok = llm.tokenizer
-        whole = _user_turn(tok, conversation, 10_000)
+        whole = _chat_prompt(tok, conversation, 10_000)
         assert whole == tok.encode_chat(conversation)
-        assert _user_turn(tok, conversation, 112) == tok.encode_chat(conversation[2:])    # the last turn alone
+        assert _chat_prompt(tok, conversation, 112) == tok.encode_chat(conversation[2:])    # the last turn alone
         long_last = conversation[:2] + [{"role": "user", "content": "and the sky? " * 80}]
-        cut = _user_turn(tok, long_last, 112)
+        cut = _chat_prompt(tok, long_last, 112)
         assert 64 < len(cut) <= 112 and tok.decode(cut).count("and the sky?") < 80
         pairs = regenerate(llm, passes_of(check_prompts([conversation, "name three colours"], "test"), 1, 1.0),
                            max_tokens=16)
